@@ -1,0 +1,190 @@
+"""The generation engine: requests in, per-step token events out.
+
+This first engine runs one sequence at a time, requests waiting in FIFO
+order. Its step mirrors mlx-lm's ``generate_step`` (same prefill chunking,
+same logits processing and sampling), so with mlx-lm's fp16 cache its tokens
+equal mlx-lm's exactly; unlike ``generate_step`` it does not build step t+1
+before step t is evaluated, so a KIVI pool is never written while a pending
+read still holds it (which would copy the pool). The interface (``add`` /
+``step`` / ``abort``) is the one the continuous-batching engine keeps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from engine.detokenizer import make_detokenizer
+from engine.request import Request, StepEvent
+from engine.stop import StopMatcher
+
+CacheFactory = Callable[[nn.Module], list[Any]]
+
+
+@dataclass
+class _Running:
+    request: Request
+    cache: list[Any]
+    sampler: Callable[[mx.array], mx.array]
+    processors: list[Callable[[mx.array, mx.array], mx.array]]
+    detokenizer: Any
+    stopper: StopMatcher
+    history: mx.array  # prompt + generated tokens (for logits processors)
+    next_input: mx.array  # tokens to feed at the next step
+    generated: list[int] = field(default_factory=list)
+
+
+class Engine:
+    """Runs generation requests on one loaded model.
+
+    Args:
+        model: an mlx-lm model.
+        tokenizer: its mlx-lm TokenizerWrapper.
+        make_cache: builds a fresh per-request cache list for the model
+            (default: mlx-lm's ``make_prompt_cache``).
+        prefill_step_size: prompt tokens per prefill chunk.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, make_cache: CacheFactory | None = None,
+                 prefill_step_size: int = 2048):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.make_cache = make_cache or make_prompt_cache
+        self.prefill_step_size = prefill_step_size
+        self._waiting: deque[Request] = deque()
+        self._running: _Running | None = None
+
+    @property
+    def num_active(self) -> int:
+        """Requests admitted and not yet finished (waiting or running)."""
+        return len(self._waiting) + (self._running is not None)
+
+    def has_work(self) -> bool:
+        return self.num_active > 0
+
+    def add(self, request: Request) -> None:
+        """Admit a request; it starts when the requests before it finish."""
+        self._waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request now, freeing its cache. Returns False if unknown."""
+        if self._running and self._running.request.request_id == request_id:
+            self._release(self._running)
+            return True
+        for r in self._waiting:
+            if r.request_id == request_id:
+                self._waiting.remove(r)
+                return True
+        return False
+
+    def step(self) -> list[StepEvent]:
+        """Generate one token for the running request (starting one if idle).
+
+        A request that raises ends alone with finish reason ``error``.
+        """
+        events = self._expire_waiting()
+        if self._running is None and self._waiting:
+            self._running = self._start(self._waiting.popleft())
+        run = self._running
+        if run is None:
+            return events
+        try:
+            event = self._advance(run)
+        except Exception as e:  # a poison request must not take the engine down
+            event = StepEvent(run.request.request_id, [], "", "error", f"{type(e).__name__}: {e}")
+        event.prompt_tokens = len(run.request.prompt_tokens)
+        if event.finish_reason is not None:
+            self._release(run)
+        events.append(event)
+        return events
+
+    def _expire_waiting(self) -> list[StepEvent]:
+        now = time.monotonic()
+        expired = [r for r in self._waiting if r.deadline is not None and now >= r.deadline]
+        for r in expired:
+            self._waiting.remove(r)
+        return [StepEvent(r.request_id, [], "", "timeout", prompt_tokens=len(r.prompt_tokens)) for r in expired]
+
+    def _release(self, run: _Running) -> None:
+        release = getattr(run.cache, "release", None)
+        if release is not None:
+            release()  # KV blocks go back to the store at once
+        self._running = None
+
+    def _start(self, request: Request) -> _Running:
+        s = request.sampling
+        if s.seed is not None:
+            mx.random.seed(s.seed)  # one sequence at a time: the global key is ours
+        penalty = s.repetition_penalty if s.repetition_penalty != 1.0 else None
+        prompt = mx.array(request.prompt_tokens)
+        run = _Running(
+            request=request,
+            cache=self.make_cache(self.model),
+            sampler=make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k),
+            processors=make_logits_processors(repetition_penalty=penalty),
+            detokenizer=make_detokenizer(self.tokenizer),
+            stopper=StopMatcher(request.stop),
+            history=prompt[:0],
+            next_input=prompt,
+        )
+        self._prefill(run)
+        return run
+
+    def _prefill(self, run: _Running) -> None:
+        """Feed all prompt tokens but the last in chunks (as mlx-lm does)."""
+        prompt = run.next_input
+        while prompt.size > 1:
+            chunk = prompt[: min(self.prefill_step_size, prompt.size - 1)]
+            self.model(chunk[None], cache=run.cache)
+            mx.eval([c.state for c in run.cache])
+            if run.processors:
+                run.history = mx.concatenate([run.history, chunk])
+            prompt = prompt[chunk.size :]
+        run.next_input = prompt
+
+    def _sample(self, run: _Running) -> int:
+        """One forward on ``next_input``; returns the sampled token."""
+        tokens = run.next_input
+        logits = self.model(tokens[None], cache=run.cache)[:, -1, :]
+        if run.processors:
+            run.history = mx.concatenate([run.history, tokens])
+        for processor in run.processors:
+            logits = processor(run.history, logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        token = run.sampler(logprobs)
+        mx.eval(token)
+        run.next_input = token.reshape(1)
+        return int(token.item())
+
+    def _advance(self, run: _Running) -> StepEvent:
+        req = run.request
+        if req.deadline is not None and time.monotonic() >= req.deadline:
+            return self._finish(run, [], "timeout")
+        token = self._sample(run)
+        if token in self.tokenizer.eos_token_ids:
+            return self._finish(run, [], "stop")
+        run.generated.append(token)
+        run.detokenizer.add_token(token)
+        text, stopped = run.stopper.push(run.detokenizer.last_segment)
+        if stopped:
+            return StepEvent(req.request_id, [token], text, "stop")
+        if len(run.generated) >= req.max_tokens:
+            return self._finish(run, [token], "length", text)
+        return StepEvent(req.request_id, [token], text)
+
+    def _finish(self, run: _Running, token_ids: list[int], reason: str, text: str = "") -> StepEvent:
+        run.detokenizer.finalize()
+        tail, stopped = run.stopper.push(run.detokenizer.last_segment)
+        if stopped:
+            reason = "stop"
+        else:
+            tail += run.stopper.flush()
+        return StepEvent(run.request.request_id, token_ids, text + tail, reason)

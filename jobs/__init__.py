@@ -1,0 +1,32 @@
+"""Job contract: pydantic models and Redis names. Never imports mlx."""
+
+from jobs.keys import Priority, event_channel, queue_name, queue_names, replay_log
+from jobs.models import (
+    ChatMessage,
+    EventType,
+    FinishReason,
+    GenerateRequest,
+    GenerationResult,
+    StreamEvent,
+    Timing,
+    Usage,
+)
+from jobs.validation import InvalidRequest, validate_request
+
+__all__ = [
+    "ChatMessage",
+    "EventType",
+    "FinishReason",
+    "GenerateRequest",
+    "GenerationResult",
+    "InvalidRequest",
+    "Priority",
+    "StreamEvent",
+    "Timing",
+    "Usage",
+    "event_channel",
+    "queue_name",
+    "queue_names",
+    "replay_log",
+    "validate_request",
+]

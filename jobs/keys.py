@@ -1,0 +1,49 @@
+"""The one place that names kiviq's Redis keys, channels and queues.
+
+Every producer and consumer builds names through these helpers, so a prefix
+change (``KIVIQ_KEY_PREFIX``) moves everything at once.
+"""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+
+
+class Priority(str, Enum):
+    """Queue priorities, drained by the worker in declaration order."""
+
+    high = "high"
+    default = "default"
+    low = "low"
+
+
+PREFIX = os.environ.get("KIVIQ_KEY_PREFIX", "kiviq")
+
+# rq function path recorded on every job; see jobs.tasks.generate.
+TASK_PATH = "jobs.tasks.generate"
+
+
+def queue_name(priority: Priority | str) -> str:
+    """rq queue name for a priority (``kiviq-high``, ...)."""
+    return f"{PREFIX}-{Priority(priority).value}"
+
+
+def queue_names() -> list[str]:
+    """All queue names, highest priority first (the worker's drain order)."""
+    return [queue_name(p) for p in Priority]
+
+
+def event_channel(job_id: str) -> str:
+    """Pub/sub channel that carries a job's live events."""
+    return f"{PREFIX}:events:{job_id}"
+
+
+def replay_log(job_id: str) -> str:
+    """List holding every event of a job in order, for late subscribers."""
+    return f"{PREFIX}:log:{job_id}"
+
+
+def job_id_for_idempotency_key(key: str) -> str:
+    """Deterministic rq job id for an idempotency key (a retried submit finds it)."""
+    return f"{PREFIX}-idem-{key}"

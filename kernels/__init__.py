@@ -1,0 +1,31 @@
+"""KIVI kernels: storage layout, plain-ops reference, and (later) GPU kernels."""
+
+from kernels.kivi_quant import (
+    blocks_to_tokens,
+    dequantize_key_blocks,
+    dequantize_value_blocks,
+    pack,
+    quantize_key_blocks,
+    quantize_value_blocks,
+    tokens_to_blocks,
+    unpack,
+)
+from kernels.kivi_reference import decode_attention, decode_attention_dense, flush_tails
+from kernels.layout import KiviPool, allocate_pool, check_layout
+
+__all__ = [
+    "KiviPool",
+    "allocate_pool",
+    "blocks_to_tokens",
+    "check_layout",
+    "decode_attention",
+    "decode_attention_dense",
+    "dequantize_key_blocks",
+    "dequantize_value_blocks",
+    "flush_tails",
+    "pack",
+    "quantize_key_blocks",
+    "quantize_value_blocks",
+    "tokens_to_blocks",
+    "unpack",
+]

@@ -1,0 +1,242 @@
+"""KIVI decode attention and tail flush in plain mlx ops: the parity oracle.
+
+Storage layout (full description in `kernels.layout`; kernels read exactly this):
+    k_codes  uint8 [NB, H_kv, D, G // P]    per-channel key codes, P tokens per byte
+    k_scales, k_zeros  [NB, H_kv, D]        fp16 | bf16
+    v_codes  uint8 [NB, H_kv, G, D // P]    per-token value codes, P channels per byte
+    v_scales, v_zeros  [NB, H_kv, G, D // G]
+    tail_k, tail_v     [NS, H_kv, R + G, D] unquantized residual, by slot, oldest first
+    P = 8 // b; code j of a byte at bits [j*b, j*b + b) (little-endian).
+Quantization contract and error bound: `kernels.kivi_quant`.
+
+Decode math (what a kernel mirrors; all float32):
+    q_s = f32(q) * scale                         the softmax scale is applied to q once
+    per split: m = max(q_s . k), l = sum exp(q_s . k - m), acc = sum exp(q_s . k - m) v
+    splits: the sequence's quantized blocks (a kernel may cut them into several
+    split-K chunks) and the tail; merged exactly:
+        M = max_i m_i,  out = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i
+    An empty split has m = -inf and contributes nothing. Output cast to q's dtype.
+This reference dequantizes every gathered block to float32 and masks positions past
+each sequence's length; a kernel reads only real positions, never masks. It holds
+float32 K and V for all gathered blocks at once (B * max_blocks * G * H_kv * D * 8
+bytes): an oracle, not a kernel.
+
+Measured notes (mlx 0.32.4, CPU and CUDA on one H200):
+  * Quantization gives bit-identical codes, scales and zeros on CPU and CUDA.
+  * On CUDA, float32 matmuls run as TF32 unless MLX_ENABLE_TF32=0 (outputs 3e-4 off).
+    For parity at float32 precision run the oracle with MLX_ENABLE_TF32=0 or under
+    `mx.stream(mx.cpu)`.
+  * A slice/scatter update of a pool array is in place only while no unevaluated
+    op still reads it: "write token, then attend" in one graph stays in place; an
+    attention left lazy and then a write copies the whole array (CPU and CUDA).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from kernels.kivi_quant import (
+    dequantize_groups,
+    dequantize_value_blocks,
+    quantize_key_blocks,
+    quantize_value_blocks,
+    unpack,
+)
+from kernels.layout import KiviPool, check_layout
+
+_NEG_INF = float("-inf")
+
+
+def _split_stats(
+    qh: mx.array, kt: mx.array, v: mx.array, valid: mx.array
+) -> tuple[mx.array, mx.array, mx.array]:
+    """(max, sum-of-exp, unnormalised output) of one split, masked by `valid`.
+
+    Shapes:
+        qh [B, H_kv, rep, D]; kt [B, H_kv, D, S], v [B, H_kv, S, D] (float32, v zero
+        wherever not valid); valid [B, S] bool
+        -> m, l [B, H_kv, rep, 1], acc [B, H_kv, rep, D].
+    """
+    s = mx.where(valid[:, None, None, :], qh @ kt, _NEG_INF)
+    m = mx.max(s, axis=-1, keepdims=True)
+    # An empty split (m = -inf) must give p = 0, not exp(-inf + inf) = NaN.
+    p = mx.exp(s - mx.where(m == _NEG_INF, 0.0, m))
+    return m, mx.sum(p, axis=-1, keepdims=True), p @ v
+
+
+def decode_attention(
+    q: mx.array,
+    pool: KiviPool,
+    block_tables: mx.array,
+    num_blocks: mx.array,
+    slots: mx.array,
+    tail_lens: mx.array,
+    *,
+    scale: float,
+    bits: int,
+    group_size: int = 32,
+) -> mx.array:
+    """One decode step of attention over KIVI-quantized blocks plus the tail.
+
+    Args:
+        q: [B, H_q, D], one query token per sequence, RoPE applied.
+        pool: the layer's KiviPool.
+        block_tables: int32 [B, max_blocks], pool block ids in token order; entries
+            at index >= num_blocks[b] are ignored (may be garbage, even out of range).
+        num_blocks: int32 [B], quantized blocks per sequence (may be 0).
+        slots: int32 [B], tail slot per sequence.
+        tail_lens: int32 [B], tail tokens including the current one (already
+            written into the tail); 0 only when the sequence has blocks.
+        scale: softmax scale, usually D ** -0.5.
+        bits: b.
+        group_size: G.
+
+    Returns:
+        [B, H_q, D] in q's dtype. A sequence with no tokens at all gets zeros.
+    """
+    b, h_q, d = q.shape
+    h_kv = pool.tail_k.shape[1]
+    check_layout(bits, group_size, d)
+    if h_q % h_kv != 0:
+        raise ValueError(f"H_q ({h_q}) must be a multiple of H_kv ({h_kv})")
+    rep = h_q // h_kv
+    # qh: [B, H_kv, rep, D]; query head h = kv * rep + r reads kv head h // rep.
+    qh = (q.astype(mx.float32) * scale).reshape(b, h_kv, rep, d)
+    num_blocks = num_blocks.astype(mx.int32)
+
+    # Tail split. tkt: [B, H_kv, D, R + G], tv: [B, H_kv, R + G, D].
+    tkt = mx.swapaxes(pool.tail_k[slots].astype(mx.float32), -1, -2)
+    t_valid = mx.arange(tkt.shape[-1])[None, :] < tail_lens.astype(mx.int32)[:, None]
+    # Stale entries past tail_len must not reach 0 * x (NaN stays NaN).
+    tv = mx.where(t_valid[:, None, :, None], pool.tail_v[slots].astype(mx.float32), 0.0)
+    splits = [_split_stats(qh, tkt, tv, t_valid)]
+
+    mb, g = block_tables.shape[1], group_size
+    if mb > 0:
+        # used: [B, mb]. Garbage table entries read block 0 with zeroed scales and
+        # zeros, so they dequantize to exact zeros whatever block 0 holds.
+        used = mx.arange(mb)[None, :] < num_blocks[:, None]
+        ids = mx.where(used, block_tables.astype(mx.int32), 0).reshape(-1)
+
+        def params(arr: mx.array, perm: tuple[int, ...]) -> mx.array:
+            x = arr[ids].reshape(b, mb, *arr.shape[1:])
+            x = mx.where(used.reshape(b, mb, *(1,) * (x.ndim - 2)), x, 0)
+            return mx.transpose(x, perm)
+
+        # Transposing the packed bytes (not the float32 result) puts the tokens of
+        # each (sequence, kv head) in order: one matmul per head, no float transposes.
+        # kt: [B, H_kv, D, mb, G] -> [B, H_kv, D, mb * G]
+        kc = mx.transpose(pool.k_codes[ids].reshape(b, mb, h_kv, d, -1), (0, 2, 3, 1, 4))
+        k_perm = (0, 2, 3, 1)
+        kt = dequantize_groups(
+            unpack(kc, bits), params(pool.k_scales, k_perm), params(pool.k_zeros, k_perm)
+        ).reshape(b, h_kv, d, mb * g)
+        # v: [B, H_kv, mb, G, D] -> [B, H_kv, mb * G, D]
+        vc = mx.transpose(pool.v_codes[ids].reshape(b, mb, h_kv, g, -1), (0, 2, 1, 3, 4))
+        v_perm = (0, 2, 1, 3, 4)
+        v = dequantize_value_blocks(
+            vc, params(pool.v_scales, v_perm), params(pool.v_zeros, v_perm), bits=bits
+        ).reshape(b, h_kv, mb * g, d)
+        q_valid = mx.arange(mb * g)[None, :] < (num_blocks * g)[:, None]
+        splits.insert(0, _split_stats(qh, kt, v, q_valid))
+
+    # Exact log-sum-exp merge of the splits.
+    m_all = splits[0][0]
+    for m_i, _, _ in splits[1:]:
+        m_all = mx.maximum(m_all, m_i)
+    m_all = mx.where(m_all == _NEG_INF, 0.0, m_all)
+    l_tot = mx.zeros_like(m_all)
+    acc_tot = mx.zeros_like(qh)
+    for m_i, l_i, acc_i in splits:
+        w = mx.exp(m_i - m_all)
+        l_tot = l_tot + w * l_i
+        acc_tot = acc_tot + w * acc_i
+    out = acc_tot / mx.where(l_tot == 0, 1.0, l_tot)
+    return out.reshape(b, h_q, d).astype(q.dtype)
+
+
+def decode_attention_dense(
+    q: mx.array, k: mx.array, v: mx.array, scale: float
+) -> mx.array:
+    """Plain softmax attention of one sequence's query token, in float32.
+
+    Args:
+        q: [H_q, D].
+        k, v: [H_kv, S, D], S >= 1, any float dtype.
+        scale: softmax scale.
+
+    Returns:
+        [H_q, D] in q's dtype.
+    """
+    h_q, d = q.shape
+    h_kv = k.shape[0]
+    # qh: [H_kv, rep, D]
+    qh = (q.astype(mx.float32) * scale).reshape(h_kv, h_q // h_kv, d)
+    s = qh @ mx.swapaxes(k.astype(mx.float32), -1, -2)
+    p = mx.exp(s - mx.max(s, axis=-1, keepdims=True))
+    p = p / mx.sum(p, axis=-1, keepdims=True)
+    return (p @ v.astype(mx.float32)).reshape(h_q, d).astype(q.dtype)
+
+
+def flush_tails(
+    pool: KiviPool,
+    slots: mx.array,
+    new_block_ids: mx.array,
+    tail_lens: mx.array,
+    *,
+    bits: int,
+    group_size: int = 32,
+) -> KiviPool:
+    """Quantize the oldest G tail tokens of some slots into new blocks; shift tails.
+
+    Updates the pool's arrays in place through scatter assignment (`arr[idx] = val`,
+    which MLX performs without copying when nothing else references the buffer):
+    shapes never change, other slots and blocks are untouched. Tail positions at or
+    past the new length (tail_len - G) are zero-filled.
+
+    Args:
+        pool: the layer's KiviPool (its arrays are mutated).
+        slots: int32 [F], distinct slots to flush.
+        new_block_ids: int32 [F], distinct free block ids receiving those tokens.
+        tail_lens: int32 [F], PRE-flush tail lengths; each must be >= G.
+        bits: b.
+        group_size: G.
+
+    Returns:
+        The same pool object, for chaining.
+    """
+    g = group_size
+    nb_, h_kv, d, row = pool.k_codes.shape
+    check_layout(bits, g, d)
+    if row * (8 // bits) != g:
+        raise ValueError(f"pool was built for G={row * (8 // bits)}, not {g}")
+    slots = mx.array(slots).astype(mx.int32)
+    ids = mx.array(new_block_ids).astype(mx.int32)
+    f = slots.shape[0]
+    if f == 0:
+        return pool
+    # A host sync, once per G decode steps: cheap, and a bad flush corrupts silently.
+    lens = mx.array(tail_lens).tolist()
+    if ids.shape[0] != f or len(lens) != f:
+        raise ValueError("slots, new_block_ids and tail_lens must have the same length")
+    if min(lens) < g:
+        raise ValueError(f"every flushed tail needs >= G={g} tokens, got {lens}")
+    if len(set(slots.tolist())) != f or len(set(ids.tolist())) != f:
+        raise ValueError("slots and new_block_ids must not repeat")
+
+    # rows: [F, H_kv, R + G, D]. Evaluated before any write: on the GPU a still
+    # pending read of a tail (this gather) keeps MLX from updating it in place, and
+    # the scatter below would copy the whole tail array (measured on CUDA).
+    rows_k, rows_v = pool.tail_k[slots], pool.tail_v[slots]
+    mx.eval(rows_k, rows_v)
+    for tail, rows, names, quantize in (
+        (pool.tail_k, rows_k, ("k_codes", "k_scales", "k_zeros"), quantize_key_blocks),
+        (pool.tail_v, rows_v, ("v_codes", "v_scales", "v_zeros"), quantize_value_blocks),
+    ):
+        sd = getattr(pool, names[1]).dtype
+        quantized = quantize(rows[:, :, :g], bits=bits, scale_dtype=sd)
+        for name, arr in zip(names, quantized):
+            getattr(pool, name)[ids] = arr
+        # Only the F flushed rows are rebuilt; the pool itself is written by scatter.
+        tail[slots] = mx.concatenate([rows[:, :, g:], mx.zeros_like(rows[:, :, :g])], axis=2)
+    return pool

@@ -1,0 +1,140 @@
+"""Storage layout of a KIVI-quantized KV pool (one per layer).
+
+Every kernel (CUDA, Metal) and the plain-ops reference read exactly this layout.
+
+Axis names:
+    B      batch (sequences in one decode step)
+    H_q    query heads;  H_kv kv heads;  query head h reads kv head h // (H_q // H_kv)
+    D      head_dim
+    G      group size (16, 32, 64 or 128; default 32); D % G == 0
+    R      residual length (default 128, a multiple of G)
+    b      bits per code, in {2, 4, 8};  P = 8 // b codes per byte
+    NB     blocks in the pool;  NS sequence slots (tails)
+
+One block = G consecutive tokens of one sequence, for all kv heads of one layer.
+
+Shapes (per layer):
+    k_codes   uint8       [NB, H_kv, D, G // P]   keys, quantized PER CHANNEL over the
+                                                  block's G tokens; a byte packs P
+                                                  consecutive TOKENS of one channel
+    k_scales  fp16|bf16   [NB, H_kv, D]
+    k_zeros   fp16|bf16   [NB, H_kv, D]
+    v_codes   uint8       [NB, H_kv, G, D // P]   values, quantized PER TOKEN in groups
+                                                  of G consecutive CHANNELS; a byte packs
+                                                  P consecutive CHANNELS of one token
+    v_scales  fp16|bf16   [NB, H_kv, G, D // G]
+    v_zeros   fp16|bf16   [NB, H_kv, G, D // G]
+    tail_k    fp16|bf16   [NS, H_kv, R + G, D]    the unquantized residual window, by
+    tail_v    fp16|bf16   [NS, H_kv, R + G, D]    slot; tail token i is at index i
+                                                  (oldest first); entries at index >=
+                                                  tail_len are unspecified
+
+Packing: code j of a byte sits at bits [j*b, j*b + b) (low bits first, little-endian),
+so 4 consecutive bytes read as a little-endian uint32 hold 4P consecutive codes.
+A k_codes row (one channel of one block) is G // P bytes: G=32 gives 8 bytes at 2
+bits, 16 at 4 bits, 32 at 8 bits. A v_codes row (one token) is D // P bytes.
+
+Kernel notes: one (block, kv head) tile is contiguous -- D * G / P bytes of k_codes
+(2 KiB at D=128, G=32, 4 bits), G * D / P bytes of v_codes, D fp16 k scales -- and,
+since D and G are multiples of 16 and G / P >= 4, every codes tile starts at a
+multiple of 64 bytes from the array's base (scale tiles: of 2 * D bytes), so 16-byte
+vector loads stay aligned. Pass the pool arrays whole (never sliced views) so a custom
+kernel gets them without a copy. Scales and zeros cost 4 bytes per group of G: at
+G = 32 that is +50% over the codes at 2 bits, +25% at 4 bits (3 and 5 bits per
+element in all).
+
+Quantization contract (what a flush kernel must reproduce bit for bit): see
+`kernels.kivi_quant`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+
+BITS = (2, 4, 8)
+GROUP_SIZES = (16, 32, 64, 128)
+
+
+class KiviPool(NamedTuple):
+    """The eight arrays of one layer's pool (shapes in the module docstring).
+
+    The tuple is immutable but its arrays are updated in place by slice/scatter
+    assignment (`flush_tails`, the engine's tail writes), so a pool object stays valid.
+    """
+
+    k_codes: mx.array
+    k_scales: mx.array
+    k_zeros: mx.array
+    v_codes: mx.array
+    v_scales: mx.array
+    v_zeros: mx.array
+    tail_k: mx.array
+    tail_v: mx.array
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self)
+
+
+def codes_per_byte(bits: int) -> int:
+    """P = 8 // bits, after checking `bits`."""
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits}")
+    return 8 // bits
+
+
+def check_layout(bits: int, group_size: int, head_dim: int | None = None) -> None:
+    """Raise ValueError unless (bits, G, D) describe a supported layout."""
+    codes_per_byte(bits)
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+    if head_dim is not None and head_dim % group_size != 0:
+        raise ValueError(
+            f"head_dim ({head_dim}) must be divisible by group_size ({group_size}): "
+            "values are quantized in groups of G consecutive channels"
+        )
+
+
+def allocate_pool(
+    num_blocks: int,
+    num_slots: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    bits: int,
+    group_size: int = 32,
+    residual: int = 128,
+    dtype: mx.Dtype = mx.float16,
+) -> KiviPool:
+    """Allocate a zero-filled pool for one layer.
+
+    Args:
+        num_blocks: NB.
+        num_slots: NS, the number of tails (concurrent sequences).
+        num_kv_heads: H_kv.
+        head_dim: D.
+        bits: b, in {2, 4, 8}.
+        group_size: G.
+        residual: R, a multiple of G; tails hold R + G tokens.
+        dtype: fp16 or bf16; used for the scales, zeros and tails.
+
+    Returns:
+        A KiviPool of zeros.
+    """
+    check_layout(bits, group_size, head_dim)
+    if residual % group_size != 0:
+        raise ValueError(f"residual ({residual}) must be a multiple of group_size")
+    p = 8 // bits
+    nb, ns, h, d, g = num_blocks, num_slots, num_kv_heads, head_dim, group_size
+    return KiviPool(
+        k_codes=mx.zeros((nb, h, d, g // p), dtype=mx.uint8),
+        k_scales=mx.zeros((nb, h, d), dtype=dtype),
+        k_zeros=mx.zeros((nb, h, d), dtype=dtype),
+        v_codes=mx.zeros((nb, h, g, d // p), dtype=mx.uint8),
+        v_scales=mx.zeros((nb, h, g, d // g), dtype=dtype),
+        v_zeros=mx.zeros((nb, h, g, d // g), dtype=dtype),
+        tail_k=mx.zeros((ns, h, residual + g, d), dtype=dtype),
+        tail_v=mx.zeros((ns, h, residual + g, d), dtype=dtype),
+    )

@@ -1,0 +1,66 @@
+"""Stream reading: replay log + pub/sub, late subscribers, restarts (fakeredis)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import fakeredis
+import pytest
+
+from client.streaming import JobFailed, iter_events, iter_text
+from jobs.models import EventType, StreamEvent
+from worker.publisher import EventPublisher
+
+
+def ev(seq, type_="token", text="", **kw):
+    return StreamEvent(job_id="j1", seq=seq, type=EventType(type_), text=text, **kw)
+
+
+@pytest.fixture
+def fake():
+    return fakeredis.FakeRedis()
+
+
+def test_late_subscriber_reads_everything_from_the_log(fake):
+    pub = EventPublisher(fake)
+    pub.publish([ev(0, text="Hel"), ev(1, text="lo")])
+    pub.publish([ev(2, "done", finish_reason="stop")])
+    events = list(iter_events(fake, "j1", timeout=5))
+    assert [e.seq for e in events] == [0, 1, 2]
+    assert "".join(iter_text(iter(events))) == "Hello"
+
+
+def test_live_events_arrive_in_order_exactly_once(fake):
+    pub = EventPublisher(fake)
+    pub.publish([ev(0, text="a")])
+
+    def produce():
+        for i in range(1, 20):
+            time.sleep(0.005)
+            pub.publish([ev(i, text=chr(ord("a") + i))])
+        pub.publish([ev(20, "done", finish_reason="length")])
+
+    t = threading.Thread(target=produce)
+    t.start()
+    events = list(iter_events(fake, "j1", timeout=10))
+    t.join()
+    assert [e.seq for e in events] == list(range(21))
+    assert pub.next_seq("j1") == 21
+
+
+def test_restart_does_not_duplicate_text():
+    events = [ev(0, text="The "), ev(1, text="sky"), ev(2, "restarted"), ev(3, text="The "),
+              ev(4, text="sky"), ev(5, text=" is"), ev(6, "done", finish_reason="stop")]
+    assert list(iter_text(iter(events))) == ["The ", "sky", " is"]
+
+
+def test_error_event_raises_with_reason():
+    with pytest.raises(JobFailed, match="boom"):
+        list(iter_text(iter([ev(0, text="x"), ev(1, "error", error="boom")])))
+
+
+def test_timeout_without_terminal_event(fake):
+    EventPublisher(fake).publish([ev(0, text="x")])
+    with pytest.raises(TimeoutError):
+        list(iter_events(fake, "j1", timeout=0.3))

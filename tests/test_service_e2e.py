@@ -1,0 +1,109 @@
+"""End to end: real Redis, real SmolLM2, a `kiviq worker` subprocess, the client."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_sampler
+from rq import Queue
+from rq.job import Job
+from rq.registry import FailedJobRegistry
+from rq.serializers import JSONSerializer
+
+from client import Client, InvalidRequest, JobFailed
+from jobs.keys import TASK_PATH, queue_name
+
+PROMPTS = [
+    "The three primary colors are",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+]
+MAX_TOKENS = 24
+
+
+def mlx_lm_greedy(model, tokenizer, prompt: str, max_tokens: int) -> list[int]:
+    """mlx-lm's own greedy generation: the oracle the service must match."""
+    return [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
+                                             sampler=make_sampler(temp=0.0))
+            if r.finish_reason != "stop" or r.token not in tokenizer.eos_token_ids]
+
+
+def test_results_match_mlx_lm_and_stream(worker_process, redis_url, smollm2):
+    model, tokenizer = smollm2
+    client = Client(redis_url)
+    handles = [client.submit(prompt=p, max_tokens=MAX_TOKENS) for p in PROMPTS]
+    for prompt, handle in zip(PROMPTS, handles):
+        streamed = "".join(handle.stream(timeout=300))
+        result = handle.result(timeout=300)
+        expected = mlx_lm_greedy(model, tokenizer, prompt, MAX_TOKENS)
+        assert result.token_ids == expected, prompt
+        assert streamed == result.text
+        assert result.text == tokenizer.decode(expected)
+        assert result.usage.completion_tokens == len(expected)
+        assert result.usage.prompt_tokens == len(tokenizer.encode(prompt))
+        assert result.finish_reason.value in ("stop", "length")
+    # A client that subscribes after completion still gets every token, once.
+    late = client.job(handles[0].job_id)
+    assert "".join(late.stream(timeout=10)) == handles[0].result().text
+    events = list(late.events(timeout=10))
+    assert [e.seq for e in events] == list(range(len(events)))
+    assert events[-1].type.value == "done"
+
+
+def test_chat_capital_of_france(worker_process, redis_url):
+    handle = Client(redis_url).submit(
+        messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=32)
+    assert "Paris" in handle.result(timeout=300).text
+
+
+def test_invalid_submit_names_field_and_enqueues_nothing(redis_url, redis_conn):
+    client = Client(redis_url)
+    cases = {
+        "max_tokens": dict(prompt="hi", max_tokens=0),
+        "temperature": dict(prompt="hi", temperature=-0.5),
+        "top_p": dict(prompt="hi", top_p=1.5),
+        "bogus_field": dict(prompt="hi", bogus_field=1),
+        "prompt": dict(prompt=""),
+        "messages": dict(messages=[]),
+    }
+    for field, kwargs in cases.items():
+        with pytest.raises(InvalidRequest) as info:
+            client.submit(**kwargs)
+        assert field in str(info.value)
+    assert redis_conn.dbsize() == 0
+
+
+def _enqueue_raw(conn, args, func=TASK_PATH, kwargs=None) -> str:
+    queue = Queue(queue_name("default"), connection=conn, serializer=JSONSerializer)
+    return queue.enqueue_call(func, args=args, kwargs=kwargs, timeout=-1).id
+
+
+def test_poison_jobs_fail_alone(worker_process, redis_url, redis_conn):
+    """Malformed jobs written straight into Redis fail with a clear error in
+    rq's failed registry; the worker serves the next good job."""
+    bad = {
+        "wrong type": (_enqueue_raw(redis_conn, ({"prompt": "hi", "max_tokens": "many"},)), "max_tokens"),
+        "unknown field": (_enqueue_raw(redis_conn, ({"prompt": "hi", "colour": "red"},)), "colour"),
+        "not an object": (_enqueue_raw(redis_conn, (["hi"],)), "expected a JSON object"),
+        "wrong function": (_enqueue_raw(redis_conn, ({"prompt": "hi"},), func="os.system"), "job function"),
+        "too long": (_enqueue_raw(redis_conn, ({"prompt": "word " * 9000, "max_tokens": 4},)), "context"),
+    }
+    # A job whose stored payload is not even valid serialized data.
+    garbage_id = _enqueue_raw(redis_conn, ({"prompt": "hi"},))
+    redis_conn.hset(f"rq:job:{garbage_id}", "data", b"\x00not json{")
+    bad["garbage data"] = (garbage_id, "")
+
+    good = Client(redis_url).submit(prompt="The capital of Italy is", max_tokens=8)
+    assert good.result(timeout=300).usage.completion_tokens > 0
+
+    client = Client(redis_url)
+    registry = FailedJobRegistry(queue_name("default"), connection=redis_conn, serializer=JSONSerializer)
+    failed = set(registry.get_job_ids())
+    for name, (job_id, needle) in bad.items():
+        assert job_id in failed, name
+        job = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
+        assert job.get_status(refresh=True).value == "failed", name
+        if needle:
+            with pytest.raises(JobFailed, match=needle):
+                client.job(job_id).result(timeout=5)
+    assert worker_process.poll() is None  # still serving

@@ -1,0 +1,1 @@
+"""kiviq worker: drains the Redis queues into the engine."""

@@ -1,0 +1,30 @@
+"""Start a worker process: load the model once, then serve until stopped."""
+
+from __future__ import annotations
+
+import logging
+
+from redis import Redis
+
+from client.client import redis_url_from_env
+from worker.service import BatchWorker
+
+log = logging.getLogger("kiviq.worker")
+
+
+def run_worker(model: str | None = None, redis_url: str | None = None, *, burst: bool = False,
+               max_active: int = 32, name: str | None = None, log_level: str = "INFO") -> int:
+    """Load ``model`` (default: SmolLM2-135M-Instruct) and serve jobs.
+
+    Returns:
+        The number of jobs that ended.
+    """
+    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from engine import Engine, load  # heavy: mlx, mlx-lm
+
+    connection = Redis.from_url(redis_url_from_env(redis_url))
+    connection.ping()  # fail fast with a clear error before the slow model load
+    log.info("loading model %s", model or "(default SmolLM2-135M-Instruct)")
+    lm, tokenizer = load(model)
+    worker = BatchWorker(Engine(lm, tokenizer), connection, max_active=max_active, name=name)
+    return worker.serve(burst=burst, logging_level=log_level)
