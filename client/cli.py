@@ -43,11 +43,23 @@ def _reexec_with_openblas() -> None:
         os.execve(sys.executable, [sys.executable, "-m", "client.cli", *sys.argv[1:]], env)
 
 
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1e9' -> bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    t = text.strip().lower()
+    for suffix, factor in units.items():
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * factor)
+    return int(float(t))
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     _reexec_with_openblas()
     from worker.main import run_worker
 
-    run_worker(args.model, args.redis_url, burst=args.burst, max_active=args.max_active, log_level=args.log_level)
+    run_worker(args.model, args.redis_url, burst=args.burst, max_active=args.max_active, log_level=args.log_level,
+               kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_residual=args.kv_residual,
+               kv_memory=args.kv_memory)
     return 0
 
 
@@ -104,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--redis-url", default=None, help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
     w.add_argument("--max-active", type=int, default=32, help="most sequences in the engine at once")
     w.add_argument("--burst", action="store_true", help="exit when the queues are empty")
+    w.add_argument("--kv-bits", type=int, choices=(2, 4, 8, 16), default=4,
+                   help="KIVI KV-cache bits (16: plain fp16 cache)")
+    w.add_argument("--kv-group-size", type=int, default=32, help="KIVI group size G")
+    w.add_argument("--kv-residual", type=int, default=128, help="KIVI fp16 window R (multiple of G)")
+    w.add_argument("--kv-memory", type=parse_bytes, default=None,
+                   help="KV store budget, e.g. 2GiB (default: a quarter of device memory)")
     w.add_argument("--log-level", default="INFO")
     w.set_defaults(func=cmd_worker)
 

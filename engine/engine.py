@@ -59,6 +59,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.make_cache = make_cache or make_prompt_cache
         self.prefill_step_size = prefill_step_size
+        self.kv_store: Any = None  # the KiviStore behind make_cache, if any
         self._waiting: deque[Request] = deque()
         self._running: _Running | None = None
 

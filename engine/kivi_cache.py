@@ -130,16 +130,51 @@ def attention_shape(model: nn.Module) -> tuple[int, int, int]:
     return len(model.layers), n_kv, head_dim
 
 
-def make_store(model: nn.Module, config: KVConfig, *, max_tokens: int, max_sequences: int,
-               dtype: mx.Dtype | None = None) -> KiviStore:
-    """A store sized for ``max_tokens`` quantized tokens over ``max_sequences`` tails."""
+def default_kv_memory() -> int:
+    """KV budget when none is given: a quarter of the device's memory (GPU
+    memory where MLX reports it, else the host's RAM), at most 64 GiB."""
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    total = info.get("memory_size") or info.get("total_memory")
+    if not total:
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(min(total // 4, 64 << 30))
+
+
+def make_store(model: nn.Module, config: KVConfig, *, kv_memory: int | None = None,
+               max_sequences: int = 8, context: int | None = None, dtype: mx.Dtype | None = None) -> KiviStore:
+    """A store for ``model`` whose pools and tails fit in ``kv_memory`` bytes,
+    and no larger than ``max_sequences`` sequences of ``context`` tokens need.
+
+    Raises:
+        ValueError: the budget cannot hold the tails plus one full-context
+            sequence's worth of blocks.
+    """
     install_attention_hook()
     layers, n_kv, head_dim = attention_shape(model)
     if dtype is None:
-        dtype = model.layers[0].input_layernorm.weight.dtype if hasattr(model.layers[0], "input_layernorm") else mx.float16
-    num_blocks = max(1, -(-max_tokens // config.group_size))
-    return KiviStore(layers, n_kv, head_dim, config=config, num_blocks=num_blocks,
+        dtype = model_dtype(model)
+    budget = kv_memory if kv_memory is not None else default_kv_memory()
+    probe = KiviStore(layers, n_kv, head_dim, config=config, num_blocks=1, num_slots=1, dtype=dtype)
+    num_blocks = (budget - max_sequences * probe.slot_bytes) // probe.block_bytes
+    if context is not None:
+        num_blocks = min(num_blocks, max_sequences * -(-context // config.group_size))
+    if num_blocks < 1:
+        raise ValueError(f"kv_memory={budget} bytes cannot hold {max_sequences} sequence tails "
+                         f"({probe.slot_bytes} bytes each) plus any quantized block")
+    return KiviStore(layers, n_kv, head_dim, config=config, num_blocks=int(num_blocks),
                      num_slots=max_sequences, dtype=dtype)
+
+
+def model_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype the model computes in (its first floating parameter's)."""
+    from mlx.utils import tree_flatten
+
+    for _, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            return p.dtype
+    return mx.float16
 
 
 class KiviSequenceCache(list):

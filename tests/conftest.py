@@ -50,26 +50,39 @@ def _worker_count(conn: Redis) -> int:
 
 
 @pytest.fixture
-def worker_process(redis_url, redis_conn):
-    """Start `kiviq worker` against the test database; stop it afterwards."""
-    log_path = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"kiviq-worker-{os.getpid()}-{time.time_ns()}.log"
-    log_file = open(log_path, "w")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "worker", "--redis-url", redis_url],
-        cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 180
-    while _worker_count(redis_conn) == 0:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            log_file.close()
-            pytest.fail(f"worker did not start:\n{log_path.read_text()[-4000:]}")
-        time.sleep(0.2)
-    proc.log_path = log_path
-    yield proc
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log_file.close()
+def start_worker(redis_url, redis_conn):
+    """Start `kiviq worker` (extra CLI args allowed) against the test
+    database; every worker started is stopped afterwards."""
+    procs = []
+
+    def start(*args: str) -> subprocess.Popen:
+        log_path = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"kiviq-worker-{os.getpid()}-{time.time_ns()}.log"
+        log_file = open(log_path, "w")
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "client.cli", "worker", "--redis-url", redis_url, *args],
+            cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+        )
+        proc.log_path, proc.log_file = log_path, log_file
+        procs.append(proc)
+        deadline = time.monotonic() + 180
+        while _worker_count(redis_conn) < len(procs):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"worker did not start:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.2)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        proc.log_file.close()
+
+
+@pytest.fixture
+def worker_process(start_worker):
+    """A worker on its defaults (KIVI 4-bit KV cache)."""
+    return start_worker()

@@ -28,7 +28,8 @@ def mlx_lm_greedy(model, tokenizer, prompt: str, max_tokens: int) -> list[int]:
             if r.finish_reason != "stop" or r.token not in tokenizer.eos_token_ids]
 
 
-def test_results_match_mlx_lm_and_stream(worker_process, redis_url, smollm2):
+def test_results_match_mlx_lm_and_stream(start_worker, redis_url, smollm2):
+    start_worker("--kv-bits", "16")  # mlx-lm's own fp16 cache: tokens must match exactly
     model, tokenizer = smollm2
     client = Client(redis_url)
     handles = [client.submit(prompt=p, max_tokens=MAX_TOKENS) for p in PROMPTS]
@@ -50,10 +51,12 @@ def test_results_match_mlx_lm_and_stream(worker_process, redis_url, smollm2):
     assert events[-1].type.value == "done"
 
 
-def test_chat_capital_of_france(worker_process, redis_url):
+def test_chat_capital_of_france_with_kivi_4bit(worker_process, redis_url):
+    """The default worker (KIVI 4-bit KV cache) answers correctly."""
     handle = Client(redis_url).submit(
         messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=32)
     assert "Paris" in handle.result(timeout=300).text
+    assert "KV cache: KIVI 4-bit" in worker_process.log_path.read_text()
 
 
 def test_invalid_submit_names_field_and_enqueues_nothing(redis_url, redis_conn):

@@ -13,18 +13,23 @@ log = logging.getLogger("kiviq.worker")
 
 
 def run_worker(model: str | None = None, redis_url: str | None = None, *, burst: bool = False,
-               max_active: int = 32, name: str | None = None, log_level: str = "INFO") -> int:
+               max_active: int = 32, name: str | None = None, log_level: str = "INFO",
+               kv_bits: int = 4, kv_group_size: int = 32, kv_residual: int = 128,
+               kv_memory: int | None = None) -> int:
     """Load ``model`` (default: SmolLM2-135M-Instruct) and serve jobs.
 
     Returns:
         The number of jobs that ended.
     """
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from engine import Engine, load  # heavy: mlx, mlx-lm
+    from engine import build_engine, load  # heavy: mlx, mlx-lm
 
     connection = Redis.from_url(redis_url_from_env(redis_url))
     connection.ping()  # fail fast with a clear error before the slow model load
     log.info("loading model %s", model or "(default SmolLM2-135M-Instruct)")
     lm, tokenizer = load(model)
-    worker = BatchWorker(Engine(lm, tokenizer), connection, max_active=max_active, name=name)
+    engine = build_engine(lm, tokenizer, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                          kv_residual=kv_residual, kv_memory=kv_memory)
+    log.info("KV cache: %s", "fp16" if kv_bits == 16 else f"KIVI {kv_bits}-bit, G={kv_group_size}, R={kv_residual}")
+    worker = BatchWorker(engine, connection, max_active=max_active, name=name)
     return worker.serve(burst=burst, logging_level=log_level)

@@ -14,16 +14,6 @@ class PromptTooLong(ValueError):
     """The prompt does not fit the model's context window."""
 
 
-def context_length(model: Any, default: int = 8192) -> int:
-    """The model's context window, from its config (mlx-lm ModelArgs)."""
-    args = getattr(model, "args", None)
-    for name in ("max_position_embeddings", "context_length", "max_seq_len"):
-        value = getattr(args, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return default
-
-
 def encode_prompt(tokenizer: Any, request: GenerateRequest) -> list[int]:
     """Token ids for a request, encoded exactly as mlx-lm's generate does."""
     if request.messages is not None:

@@ -27,10 +27,11 @@ from rq.utils import now
 
 from engine.engine import Engine
 from engine.request import StepEvent
+from engine.setup import context_length
 from jobs.keys import TASK_PATH, queue_names
 from jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, Timing, Usage
 from jobs.validation import validate_request
-from worker.prompts import build_request, context_length
+from worker.prompts import build_request
 from worker.publisher import EventPublisher
 
 log = logging.getLogger("kiviq.worker")

@@ -1,0 +1,45 @@
+"""Build an engine from user-facing KV options (the worker's CLI flags)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.engine import Engine
+from engine.kivi_cache import kivi_cache_factory, make_store
+from engine.kv_store import KVConfig
+
+DEFAULT_CONTEXT = 8192
+
+
+def context_length(model: Any, default: int = DEFAULT_CONTEXT) -> int:
+    """The model's context window, from its config (mlx-lm ModelArgs)."""
+    args = getattr(model, "args", None)
+    for name in ("max_position_embeddings", "context_length", "max_seq_len"):
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return default
+
+KV_BITS_CHOICES = (2, 4, 8, 16)  # 16 = mlx-lm's plain fp16 cache
+
+
+def build_engine(model: Any, tokenizer: Any, *, kv_bits: int = 4, kv_group_size: int = 32,
+                 kv_residual: int = 128, kv_memory: int | None = None, max_sequences: int = 2) -> Engine:
+    """An engine whose requests use KIVI caches (or fp16 ones for ``kv_bits=16``).
+
+    Args:
+        kv_bits: 2, 4 or 8 for KIVI; 16 for a plain fp16 cache.
+        kv_group_size: G, tokens (keys) or channels (values) per quantization group.
+        kv_residual: R, the fp16 window of most recent tokens.
+        kv_memory: byte budget of the KV store (default: a quarter of device memory).
+        max_sequences: sequences the store holds at once.
+    """
+    if kv_bits not in KV_BITS_CHOICES:
+        raise ValueError(f"kv_bits must be one of {KV_BITS_CHOICES}, got {kv_bits}")
+    if kv_bits == 16:
+        return Engine(model, tokenizer)
+    store = make_store(model, KVConfig(kv_bits, kv_group_size, kv_residual), kv_memory=kv_memory,
+                       max_sequences=max_sequences, context=context_length(model))
+    engine = Engine(model, tokenizer, make_cache=kivi_cache_factory(store))
+    engine.kv_store = store
+    return engine
