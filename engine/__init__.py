@@ -3,9 +3,10 @@
 Needs only mlx, mlx-lm and numpy (never redis, rq or pydantic).
 """
 
-from engine.engine import Engine
+from engine.batch_engine import Engine
 from engine.model_loading import load
 from engine.request import Request, SamplingParams, StepEvent
+from engine.serial_engine import SerialEngine
 from engine.setup import build_engine
 
-__all__ = ["Engine", "Request", "SamplingParams", "StepEvent", "build_engine", "load"]
+__all__ = ["Engine", "Request", "SamplingParams", "SerialEngine", "StepEvent", "build_engine", "load"]

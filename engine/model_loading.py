@@ -280,6 +280,10 @@ def _convert_into(path: Path, out: Path) -> None:
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {str(path)!r}: only 'llama' is supported")
 
+    scaling = meta.get("llama.rope.scaling.type", "none")
+    if scaling != "none":  # mlx-lm would need rope_scaling parameters we do not map
+        raise ValueError(f"unsupported GGUF {str(path)!r}: rope scaling {scaling!r}")
+
     def num(key: str, default=None):
         value = meta.get(f"llama.{key}")
         return default if value is None else value.item()

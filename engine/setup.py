@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.engine import Engine
-from engine.kivi_cache import kivi_cache_factory, make_store
+from engine.batch_engine import Engine
+from engine.kivi_cache import make_store
 from engine.kv_store import KVConfig
+from engine.serial_engine import SerialEngine
 
 DEFAULT_CONTEXT = 8192
 
@@ -24,8 +25,10 @@ KV_BITS_CHOICES = (2, 4, 8, 16)  # 16 = mlx-lm's plain fp16 cache
 
 
 def build_engine(model: Any, tokenizer: Any, *, kv_bits: int = 4, kv_group_size: int = 32,
-                 kv_residual: int = 128, kv_memory: int | None = None, max_sequences: int = 2) -> Engine:
-    """An engine whose requests use KIVI caches (or fp16 ones for ``kv_bits=16``).
+                 kv_residual: int = 128, kv_memory: int | None = None, max_sequences: int = 32,
+                 max_batch_tokens: int = 1024) -> Engine | SerialEngine:
+    """The continuous-batching engine over a KIVI store, or for ``kv_bits=16``
+    the serial engine on mlx-lm's own fp16 cache (token-exact with mlx-lm).
 
     Args:
         kv_bits: 2, 4 or 8 for KIVI; 16 for a plain fp16 cache.
@@ -33,13 +36,12 @@ def build_engine(model: Any, tokenizer: Any, *, kv_bits: int = 4, kv_group_size:
         kv_residual: R, the fp16 window of most recent tokens.
         kv_memory: byte budget of the KV store (default: a quarter of device memory).
         max_sequences: sequences the store holds at once.
+        max_batch_tokens: tokens fed to the model per step (decode + prefill).
     """
     if kv_bits not in KV_BITS_CHOICES:
         raise ValueError(f"kv_bits must be one of {KV_BITS_CHOICES}, got {kv_bits}")
     if kv_bits == 16:
-        return Engine(model, tokenizer)
+        return SerialEngine(model, tokenizer)
     store = make_store(model, KVConfig(kv_bits, kv_group_size, kv_residual), kv_memory=kv_memory,
                        max_sequences=max_sequences, context=context_length(model))
-    engine = Engine(model, tokenizer, make_cache=kivi_cache_factory(store))
-    engine.kv_store = store
-    return engine
+    return Engine(model, tokenizer, store, max_batch_tokens=max_batch_tokens)

@@ -16,10 +16,11 @@ Decode math (what a kernel mirrors; all float32):
     split-K chunks) and the tail; merged exactly:
         M = max_i m_i,  out = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i
     An empty split has m = -inf and contributes nothing. Output cast to q's dtype.
-This reference dequantizes every gathered block to float32 and masks positions past
-each sequence's length; a kernel reads only real positions, never masks. It holds
-float32 K and V for all gathered blocks at once (B * max_blocks * G * H_kv * D * 8
-bytes): an oracle, not a kernel.
+This reference dequantizes gathered blocks to float32 and masks positions past each
+sequence's length; a kernel reads only real positions, never masks. It works like a
+split-K kernel: table columns in chunks of CHUNK_BLOCKS blocks, each chunk one split,
+rows in groups, so it holds float32 K and V for at most about CHUNK_BLOCKS blocks at
+once (CHUNK_BLOCKS * G * H_kv * D * 8 bytes), not for the whole cache.
 
 Measured notes (mlx 0.32.4, CPU and CUDA on one H200):
   * Quantization gives bit-identical codes, scales and zeros on CPU and CUDA.
@@ -64,6 +65,78 @@ def _split_stats(
     return m, mx.sum(p, axis=-1, keepdims=True), p @ v
 
 
+# Most quantized blocks one piece of the reference dequantizes at once, summed over
+# the sequences of a row group (see `decode_attention`). Module level, not an
+# argument, so the signature stays the kernels'; a benchmark may change it.
+CHUNK_BLOCKS = 64
+
+
+def _block_split(
+    qh: mx.array, pool: KiviPool, block_tables: mx.array, num_blocks: mx.array,
+    c0: int, c1: int, *, bits: int, group_size: int,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """(m, l, acc) of the quantized blocks in table columns [c0, c1): one split-K chunk.
+
+    Shapes: qh [B, H_kv, rep, D]; block_tables [B, >= c1]; num_blocks [B].
+    Holds float32 K and V for B * (c1 - c0) blocks only.
+    """
+    b, h_kv, _, d = qh.shape
+    n, g = c1 - c0, group_size
+    # used: [B, n]. Garbage table entries read block 0 with zeroed scales and zeros,
+    # so they dequantize to exact zeros whatever block 0 holds.
+    used = mx.arange(c0, c1)[None, :] < num_blocks[:, None]
+    ids = mx.where(used, block_tables[:, c0:c1].astype(mx.int32), 0).reshape(-1)
+
+    def params(arr: mx.array, perm: tuple[int, ...]) -> mx.array:
+        x = arr[ids].reshape(b, n, *arr.shape[1:])
+        x = mx.where(used.reshape(b, n, *(1,) * (x.ndim - 2)), x, 0)
+        return mx.transpose(x, perm)
+
+    # Transposing the packed bytes (not the float32 result) puts the tokens of
+    # each (sequence, kv head) in order: one matmul per head, no float transposes.
+    # kt: [B, H_kv, D, n, G] -> [B, H_kv, D, n * G]
+    kc = mx.transpose(pool.k_codes[ids].reshape(b, n, h_kv, d, -1), (0, 2, 3, 1, 4))
+    k_perm = (0, 2, 3, 1)
+    kt = dequantize_groups(
+        unpack(kc, bits), params(pool.k_scales, k_perm), params(pool.k_zeros, k_perm)
+    ).reshape(b, h_kv, d, n * g)
+    # v: [B, H_kv, n, G, D] -> [B, H_kv, n * G, D]
+    vc = mx.transpose(pool.v_codes[ids].reshape(b, n, h_kv, g, -1), (0, 2, 1, 3, 4))
+    v_perm = (0, 2, 1, 3, 4)
+    v = dequantize_value_blocks(
+        vc, params(pool.v_scales, v_perm), params(pool.v_zeros, v_perm), bits=bits
+    ).reshape(b, h_kv, n * g, d)
+    valid = mx.arange(c0 * g, c1 * g)[None, :] < (num_blocks * g)[:, None]
+    return _split_stats(qh, kt, v, valid)
+
+
+def _tail_split(
+    qh: mx.array, pool: KiviPool, slots: mx.array, tail_lens: mx.array
+) -> tuple[mx.array, mx.array, mx.array]:
+    """(m, l, acc) of the fp16 tails of the sequences in ``slots``."""
+    # tkt: [B, H_kv, D, R + G], tv: [B, H_kv, R + G, D].
+    tkt = mx.swapaxes(pool.tail_k[slots].astype(mx.float32), -1, -2)
+    t_valid = mx.arange(tkt.shape[-1])[None, :] < tail_lens.astype(mx.int32)[:, None]
+    # Stale entries past tail_len must not reach 0 * x (NaN stays NaN).
+    tv = mx.where(t_valid[:, None, :, None], pool.tail_v[slots].astype(mx.float32), 0.0)
+    return _split_stats(qh, tkt, tv, t_valid)
+
+
+def _merge(splits: list[tuple[mx.array, mx.array, mx.array]]) -> mx.array:
+    """Exact log-sum-exp merge of (m, l, acc) splits -> normalised output."""
+    m_all = splits[0][0]
+    for m_i, _, _ in splits[1:]:
+        m_all = mx.maximum(m_all, m_i)
+    m_all = mx.where(m_all == _NEG_INF, 0.0, m_all)
+    l_tot = mx.zeros_like(m_all)
+    acc_tot = mx.zeros_like(splits[0][2])
+    for m_i, l_i, acc_i in splits:
+        w = mx.exp(m_i - m_all)
+        l_tot = l_tot + w * l_i
+        acc_tot = acc_tot + w * acc_i
+    return acc_tot / mx.where(l_tot == 0, 1.0, l_tot)
+
+
 def decode_attention(
     q: mx.array,
     pool: KiviPool,
@@ -93,6 +166,15 @@ def decode_attention(
 
     Returns:
         [B, H_q, D] in q's dtype. A sequence with no tokens at all gets zeros.
+
+    Memory: the work is cut like a split-K kernel's, so the float32 K and V held at
+    once stay bounded whatever the sequences' lengths. Table columns are cut into
+    chunks of ``CHUNK_BLOCKS`` (fixed boundaries 0, C, 2C, ..., independent of the
+    batch), each a split; the tail is one more split; the splits are merged by the
+    exact log-sum-exp above. Rows are taken in groups of at most
+    ``CHUNK_BLOCKS // (blocks per chunk)`` sequences (the tail counts as
+    ``(R + G) / G`` blocks), so one piece dequantizes at most about ``CHUNK_BLOCKS``
+    blocks. A row's result does not depend on the other rows or their grouping.
     """
     b, h_q, d = q.shape
     h_kv = pool.tail_k.shape[1]
@@ -104,54 +186,21 @@ def decode_attention(
     qh = (q.astype(mx.float32) * scale).reshape(b, h_kv, rep, d)
     num_blocks = num_blocks.astype(mx.int32)
 
-    # Tail split. tkt: [B, H_kv, D, R + G], tv: [B, H_kv, R + G, D].
-    tkt = mx.swapaxes(pool.tail_k[slots].astype(mx.float32), -1, -2)
-    t_valid = mx.arange(tkt.shape[-1])[None, :] < tail_lens.astype(mx.int32)[:, None]
-    # Stale entries past tail_len must not reach 0 * x (NaN stays NaN).
-    tv = mx.where(t_valid[:, None, :, None], pool.tail_v[slots].astype(mx.float32), 0.0)
-    splits = [_split_stats(qh, tkt, tv, t_valid)]
-
-    mb, g = block_tables.shape[1], group_size
-    if mb > 0:
-        # used: [B, mb]. Garbage table entries read block 0 with zeroed scales and
-        # zeros, so they dequantize to exact zeros whatever block 0 holds.
-        used = mx.arange(mb)[None, :] < num_blocks[:, None]
-        ids = mx.where(used, block_tables.astype(mx.int32), 0).reshape(-1)
-
-        def params(arr: mx.array, perm: tuple[int, ...]) -> mx.array:
-            x = arr[ids].reshape(b, mb, *arr.shape[1:])
-            x = mx.where(used.reshape(b, mb, *(1,) * (x.ndim - 2)), x, 0)
-            return mx.transpose(x, perm)
-
-        # Transposing the packed bytes (not the float32 result) puts the tokens of
-        # each (sequence, kv head) in order: one matmul per head, no float transposes.
-        # kt: [B, H_kv, D, mb, G] -> [B, H_kv, D, mb * G]
-        kc = mx.transpose(pool.k_codes[ids].reshape(b, mb, h_kv, d, -1), (0, 2, 3, 1, 4))
-        k_perm = (0, 2, 3, 1)
-        kt = dequantize_groups(
-            unpack(kc, bits), params(pool.k_scales, k_perm), params(pool.k_zeros, k_perm)
-        ).reshape(b, h_kv, d, mb * g)
-        # v: [B, H_kv, mb, G, D] -> [B, H_kv, mb * G, D]
-        vc = mx.transpose(pool.v_codes[ids].reshape(b, mb, h_kv, g, -1), (0, 2, 1, 3, 4))
-        v_perm = (0, 2, 1, 3, 4)
-        v = dequantize_value_blocks(
-            vc, params(pool.v_scales, v_perm), params(pool.v_zeros, v_perm), bits=bits
-        ).reshape(b, h_kv, mb * g, d)
-        q_valid = mx.arange(mb * g)[None, :] < (num_blocks * g)[:, None]
-        splits.insert(0, _split_stats(qh, kt, v, q_valid))
-
-    # Exact log-sum-exp merge of the splits.
-    m_all = splits[0][0]
-    for m_i, _, _ in splits[1:]:
-        m_all = mx.maximum(m_all, m_i)
-    m_all = mx.where(m_all == _NEG_INF, 0.0, m_all)
-    l_tot = mx.zeros_like(m_all)
-    acc_tot = mx.zeros_like(qh)
-    for m_i, l_i, acc_i in splits:
-        w = mx.exp(m_i - m_all)
-        l_tot = l_tot + w * l_i
-        acc_tot = acc_tot + w * acc_i
-    out = acc_tot / mx.where(l_tot == 0, 1.0, l_tot)
+    mb = block_tables.shape[1]
+    chunk = max(1, CHUNK_BLOCKS)
+    per_row = max(min(mb, chunk), -(-pool.tail_k.shape[2] // group_size))
+    rows = max(1, chunk // per_row)
+    outs = []
+    for r0 in range(0, b, rows):
+        r1 = min(b, r0 + rows)
+        sel = slice(r0, r1) if (r0, r1) != (0, b) else slice(None)
+        qg, nbg = qh[sel], num_blocks[sel]
+        splits = [_block_split(qg, pool, block_tables[sel], nbg, c0, min(mb, c0 + chunk),
+                               bits=bits, group_size=group_size)
+                  for c0 in range(0, mb, chunk)]
+        splits.append(_tail_split(qg, pool, slots[sel], tail_lens[sel]))
+        outs.append(_merge(splits))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     return out.reshape(b, h_q, d).astype(q.dtype)
 
 

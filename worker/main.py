@@ -29,7 +29,7 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, burst:
     log.info("loading model %s", model or "(default SmolLM2-135M-Instruct)")
     lm, tokenizer = load(model)
     engine = build_engine(lm, tokenizer, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                          kv_residual=kv_residual, kv_memory=kv_memory)
+                          kv_residual=kv_residual, kv_memory=kv_memory, max_sequences=max_active)
     log.info("KV cache: %s", "fp16" if kv_bits == 16 else f"KIVI {kv_bits}-bit, G={kv_group_size}, R={kv_residual}")
     worker = BatchWorker(engine, connection, max_active=max_active, name=name)
     return worker.serve(burst=burst, logging_level=log_level)

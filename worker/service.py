@@ -25,7 +25,6 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
-from engine.engine import Engine
 from engine.request import StepEvent
 from engine.setup import context_length
 from jobs.keys import TASK_PATH, queue_names
@@ -71,13 +70,13 @@ class BatchWorker(SimpleWorker):
             before the rest are requeued.
     """
 
-    def __init__(self, engine: Engine, connection: redis.Redis, *, max_active: int = 32,
+    def __init__(self, engine: Any, connection: redis.Redis, *, max_active: int = 32,
                  grace_s: float = 30.0, name: str | None = None):
         queues = [Queue(n, connection=connection, serializer=JSONSerializer) for n in queue_names()]
         super().__init__(queues, name=name, connection=connection, serializer=JSONSerializer)
         self.engine = engine
         self.max_context = context_length(engine.model)
-        self.max_active = max_active
+        self.max_active = min(max_active, engine.capacity)
         self.grace_s = grace_s
         self.publisher = EventPublisher(connection)
         self.active: dict[str, ActiveJob] = {}

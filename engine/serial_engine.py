@@ -1,12 +1,12 @@
-"""The generation engine: requests in, per-step token events out.
+"""The serial engine: one sequence at a time, exactly as mlx-lm generates.
 
-This first engine runs one sequence at a time, requests waiting in FIFO
-order. Its step mirrors mlx-lm's ``generate_step`` (same prefill chunking,
-same logits processing and sampling), so with mlx-lm's fp16 cache its tokens
-equal mlx-lm's exactly; unlike ``generate_step`` it does not build step t+1
-before step t is evaluated, so a KIVI pool is never written while a pending
-read still holds it (which would copy the pool). The interface (``add`` /
-``step`` / ``abort``) is the one the continuous-batching engine keeps.
+Requests wait in FIFO order. Its step mirrors mlx-lm's ``generate_step``
+(same prefill chunking, logits processing and sampling), so with mlx-lm's
+fp16 cache its tokens equal mlx-lm's exactly: it serves ``--kv-bits 16`` and
+is the oracle the batching engine is tested against. Unlike
+``generate_step`` it never builds step t+1 before step t is evaluated, so a
+KIVI pool is never written while a pending read still holds it (which would
+copy the pool). Same interface as ``engine.batch_engine.Engine``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class _Running:
     generated: list[int] = field(default_factory=list)
 
 
-class Engine:
+class SerialEngine:
     """Runs generation requests on one loaded model.
 
     Args:
@@ -62,6 +62,11 @@ class Engine:
         self.kv_store: Any = None  # the KiviStore behind make_cache, if any
         self._waiting: deque[Request] = deque()
         self._running: _Running | None = None
+
+    @property
+    def capacity(self) -> int:
+        """One sequence at a time: the rest wait in Redis, not here."""
+        return 1
 
     @property
     def num_active(self) -> int:

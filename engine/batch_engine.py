@@ -1,0 +1,205 @@
+"""The continuous-batching engine: sequences join and leave at every step,
+and one forward decodes all running sequences over the paged KIVI store.
+
+One step is three moves (STYLE.md): the scheduler plans, the model runner
+runs, the engine turns sampled tokens into events.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.detokenizer import make_detokenizer
+from engine.kv_store import KiviStore
+from engine.model_runner import ModelRunner
+from engine.request import Request, StepEvent
+from engine.sampler import RowState, sample
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.stop import StopMatcher
+
+log = logging.getLogger("kiviq.engine")
+
+
+@dataclass
+class _Runtime:
+    detokenizer: Any
+    stopper: StopMatcher
+    row: RowState
+
+
+class _StoreCounts:
+    """The scheduler's view of the store (counts only)."""
+
+    def __init__(self, store: KiviStore):
+        self.store = store
+
+    @property
+    def free_blocks(self) -> int:
+        return self.store.free_blocks
+
+    @property
+    def free_slots(self) -> int:
+        return self.store.free_slots
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return self.store.blocks_needed(num_tokens)
+
+    def blocks_held(self, seq: Sequence) -> int:
+        return len(seq.kv.block_ids) if seq.kv is not None else 0
+
+
+class Engine:
+    """Batch generation over a KiviStore.
+
+    Args:
+        model: an mlx-lm model (its attention is routed to the store).
+        tokenizer: its TokenizerWrapper.
+        store: the KV store (its slots bound the sequences held at once).
+        max_batch_tokens: tokens per step, decode plus prefill chunks.
+        reserve_tokens: generation room required to admit a request.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, store: KiviStore, *,
+                 max_batch_tokens: int = 1024, reserve_tokens: int = 64):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.kv_store = store
+        self.runner = ModelRunner(model, store)
+        self.scheduler = Scheduler(_StoreCounts(store), max_batch_tokens, reserve_tokens)
+        self._seqs: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self.stats = {"decode_tokens": 0, "prefill_tokens": 0, "preemptions": 0, "steps": 0}
+
+    @property
+    def capacity(self) -> int:
+        """Sequences the engine can hold at once."""
+        return self.kv_store.num_slots
+
+    @property
+    def num_active(self) -> int:
+        return len(self._seqs)
+
+    def has_work(self) -> bool:
+        return bool(self._seqs)
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self._seqs:
+            raise ValueError(f"request {request.request_id!r} is already in the engine")
+        seq = Sequence(request, next(self._arrivals))
+        seq.runtime = _Runtime(make_detokenizer(self.tokenizer), StopMatcher(request.stop),
+                               RowState.create(request.sampling, request.prompt_tokens))
+        self._seqs[request.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request now; its KV blocks are free when this returns."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        self._drop(seq)
+        return True
+
+    def step(self) -> list[StepEvent]:
+        """Run one scheduling step; returns the events it produced."""
+        events = self._expire()
+        plan = self.scheduler.schedule()
+        self.stats["steps"] += 1
+        for seq in plan.preempt:
+            self._release(seq)
+            self.stats["preemptions"] += 1
+            log.info("preempted %s (%d tokens) to free KV memory", seq.request_id, seq.num_tokens)
+        for seq, reason in plan.fail:
+            events.append(self._end(seq, [], "", "error", reason))
+        for seq in plan.admit:
+            seq.kv = self.kv_store.new_sequence()
+        if plan.decode:
+            events += self._decode(plan.decode)
+        for seq, n in plan.prefill:
+            events += self._prefill(seq, n)
+        return events
+
+    # ---- phases ----------------------------------------------------------
+
+    def _decode(self, seqs: list[Sequence]) -> list[StepEvent]:
+        try:
+            logits = self.runner.decode([s.kv for s in seqs], [s.generated[-1] for s in seqs])
+            tokens = sample(logits, [s.runtime.row for s in seqs])
+            self.runner.settle(tokens)
+        except Exception as e:  # the batch cannot tell whose fault: all end
+            log.exception("decode step failed")
+            return [self._end(s, [], "", "error", f"{type(e).__name__}: {e}") for s in seqs]
+        self.stats["decode_tokens"] += len(seqs)
+        return [self._emit(s, t) for s, t in zip(seqs, tokens.tolist())]
+
+    def _prefill(self, seq: Sequence, n: int) -> list[StepEvent]:
+        chunk = seq.context[seq.prefilled: seq.prefilled + n]
+        try:
+            logits = self.runner.prefill(seq.kv, chunk)
+            seq.prefilled += n
+            if seq.prefilled < seq.num_tokens:
+                self.runner.settle()
+                return []
+            token = sample(logits[None], [seq.runtime.row])
+            self.runner.settle(token)
+        except Exception as e:  # a sequence that fails in its own prefill fails alone
+            log.exception("prefill of %s failed", seq.request_id)
+            return [self._end(seq, [], "", "error", f"{type(e).__name__}: {e}")]
+        self.stats["prefill_tokens"] += n
+        self.scheduler.prefill_done(seq)
+        return [self._emit(seq, int(token.item()))]
+
+    # ---- tokens -> events -------------------------------------------------
+
+    def _emit(self, seq: Sequence, token: int) -> StepEvent:
+        rt, req = seq.runtime, seq.request
+        if token in self.tokenizer.eos_token_ids:
+            return self._finish(seq, [], "stop")
+        seq.generated.append(token)
+        rt.row.history.append(token)
+        rt.detokenizer.add_token(token)
+        text, stopped = rt.stopper.push(rt.detokenizer.last_segment)
+        if stopped:
+            return self._end(seq, [token], text, "stop")
+        if len(seq.generated) >= req.max_tokens:
+            return self._finish(seq, [token], "length", text)
+        return StepEvent(seq.request_id, [token], text, prompt_tokens=len(req.prompt_tokens))
+
+    def _finish(self, seq: Sequence, token_ids: list[int], reason: str, text: str = "") -> StepEvent:
+        """End with whatever text the detokenizer and stop matcher still hold."""
+        rt = seq.runtime
+        rt.detokenizer.finalize()
+        tail, stopped = rt.stopper.push(rt.detokenizer.last_segment)
+        if stopped:
+            reason = "stop"
+        else:
+            tail += rt.stopper.flush()
+        return self._end(seq, token_ids, text + tail, reason)
+
+    def _end(self, seq: Sequence, token_ids: list[int], text: str, reason: str,
+             error: str | None = None) -> StepEvent:
+        self._drop(seq)
+        return StepEvent(seq.request_id, token_ids, text, reason, error,
+                         prompt_tokens=len(seq.request.prompt_tokens))
+
+    def _expire(self) -> list[StepEvent]:
+        now = time.monotonic()
+        late = [s for s in self._seqs.values() if s.request.deadline is not None and now >= s.request.deadline]
+        return [self._finish(s, [], "timeout") for s in late]
+
+    def _drop(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        self._release(seq)
+        self._seqs.pop(seq.request_id, None)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.kv is not None:
+            self.kv_store.release(seq.kv)
+            seq.kv = None

@@ -1,0 +1,45 @@
+"""The one place that runs the model: prefill chunks and batched decode
+steps over the paged KIVI store."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.kivi_cache import KiviLayerCache
+from engine.kv_store import KiviStore, SequenceKV
+
+
+class ModelRunner:
+    """Runs an mlx-lm model whose attention reads and writes a KiviStore."""
+
+    def __init__(self, model: nn.Module, store: KiviStore):
+        self.model = model
+        self.store = store
+
+    def _caches(self, seqs: list[SequenceKV]) -> list[KiviLayerCache]:
+        return [KiviLayerCache(self.store, layer, seqs) for layer in range(self.store.num_layers)]
+
+    def prefill(self, seq: SequenceKV, tokens: list[int]) -> mx.array:
+        """Feed a chunk of one sequence's context.
+
+        Returns:
+            [V] logits after the chunk's last token.
+        """
+        logits = self.model(mx.array(tokens)[None], cache=self._caches([seq]))
+        return logits[0, -1]
+
+    def decode(self, seqs: list[SequenceKV], tokens: list[int]) -> mx.array:
+        """One token per sequence, all in one forward (per-sequence RoPE
+        offsets come from the caches).
+
+        Returns:
+            [B, V] logits.
+        """
+        logits = self.model(mx.array(tokens)[:, None], cache=self._caches(seqs))
+        return logits[:, -1]
+
+    def settle(self, *arrays: mx.array) -> None:
+        """Evaluate outputs and every pending pool write, so the next step's
+        writes find no pending reader (and update the pool in place)."""
+        mx.eval(*arrays, self.store.pools)

@@ -1,0 +1,145 @@
+"""Who prefills, who decodes, who waits: the batching engine's policy.
+
+Pure Python: it sees sequences and an allocator's counts, never tensors.
+Each step every running sequence decodes one token; the rest of the step's
+token budget goes to prefill chunks, first for sequences already
+prefilling, then for newly admitted ones. A sequence is admitted only when
+the store can hold its whole context plus a reserve; when running
+sequences outgrow the store, the newest is preempted (its blocks freed, its
+tokens recomputed later) rather than anything failing or overcommitting.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.sequence import Sequence, Status
+
+
+class Allocator(Protocol):
+    free_blocks: int
+    free_slots: int
+
+    def blocks_needed(self, num_tokens: int) -> int: ...
+
+    def blocks_held(self, seq: Sequence) -> int: ...
+
+
+@dataclass
+class Plan:
+    """What one engine step runs."""
+
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to feed)
+    admit: list[Sequence] = field(default_factory=list)  # need a KV slot before their prefill
+    preempt: list[Sequence] = field(default_factory=list)  # must release their KV first
+    fail: list[tuple[Sequence, str]] = field(default_factory=list)  # cannot be served
+
+    def empty(self) -> bool:
+        return not (self.decode or self.prefill)
+
+
+class Scheduler:
+    """Args:
+        allocator: the KV store's counts (free blocks/slots, blocks needed).
+        max_batch_tokens: tokens fed to the model per step (decode + prefill).
+        reserve_tokens: room for generation required at admission.
+    """
+
+    def __init__(self, allocator: Allocator, max_batch_tokens: int = 1024, reserve_tokens: int = 64):
+        self.allocator = allocator
+        self.max_batch_tokens = max_batch_tokens
+        self.reserve_tokens = reserve_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Forget a sequence (finished or aborted); the engine frees its KV."""
+        for group in (self.prefilling, self.running):
+            if seq in group:
+                group.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.prefilling) + len(self.running)
+
+    def _growth(self, seqs: list[Sequence]) -> int:
+        """New blocks the running sequences need for their next token."""
+        a = self.allocator
+        # A running sequence holds all its tokens but the newest, which the next
+        # decode step commits.
+        return sum(max(0, a.blocks_needed(s.num_tokens) - a.blocks_held(s)) for s in seqs)
+
+    def _pending_prefill_blocks(self) -> int:
+        a = self.allocator
+        return sum(max(0, a.blocks_needed(s.num_tokens) - a.blocks_held(s)) for s in self.prefilling)
+
+    def schedule(self) -> Plan:
+        plan = Plan()
+        a = self.allocator
+        # Running sequences grow by one token; preempt the newest until they fit.
+        while self.running and self._growth(self.running) + self._pending_prefill_blocks() > a.free_blocks:
+            victims = self.running + self.prefilling
+            victim = max(victims, key=lambda s: s.arrival)
+            if len(victims) == 1:  # alone and still out of room: it can never finish
+                self.remove(victim)
+                plan.fail.append((victim, "KV memory exhausted: the sequence outgrew the whole KV store"))
+                break
+            self._preempt(victim, plan)
+        plan.decode = list(self.running)
+        budget = self.max_batch_tokens - len(plan.decode)
+        free_blocks = a.free_blocks - self._growth(plan.decode) - self._pending_prefill_blocks()
+        free_slots = a.free_slots
+        # Admit in arrival order while the context plus a reserve fits; a
+        # sequence alone in the engine only needs its context to fit.
+        while self.waiting and free_slots > 0:
+            seq = self.waiting[0]
+            alone = not (self.running or self.prefilling)
+            fits_alone = a.blocks_needed(seq.num_tokens) <= free_blocks
+            if alone and not fits_alone:
+                self.waiting.popleft()
+                seq.status = Status.FINISHED
+                plan.fail.append((seq, f"KV memory: {seq.num_tokens} context tokens do not fit the KV store"))
+                continue
+            if not alone and a.blocks_needed(seq.num_tokens + self.reserve_tokens) > free_blocks:
+                break  # wait for memory to free up
+            self.waiting.popleft()
+            seq.status = Status.PREFILLING
+            seq.prefilled = 0
+            self.prefilling.append(seq)
+            plan.admit.append(seq)
+            free_blocks -= a.blocks_needed(seq.num_tokens)
+            free_slots -= 1
+        for seq in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(budget, seq.num_tokens - seq.prefilled)
+            plan.prefill.append((seq, n))
+            budget -= n
+        return plan
+
+    def _preempt(self, seq: Sequence, plan: Plan) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        seq.status = Status.WAITING
+        seq.prefilled = 0
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+        plan.preempt.append(seq)
+
+    def prefill_done(self, seq: Sequence) -> None:
+        """The sequence's whole context is in the store: it decodes from now on."""
+        self.prefilling.remove(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)

@@ -1,0 +1,743 @@
+"""KIVI decode attention and tail flush as CUDA kernels (`mx.fast.cuda_kernel`).
+
+Same signatures and semantics as `kernels.kivi_reference.decode_attention` and
+`flush_tails`; storage layout in `kernels.layout`, quantization contract in
+`kernels.kivi_quant`. The kernels are built once at import and are None where MLX has
+no CUDA backend (`mx.cuda.is_available()` false); `kernels.dispatch` picks them.
+
+Decode attention: two launches per layer for all sequences.
+  1. `kivi_attend_split`: one warp per (sequence b, kv head h, split s), 4 warps per
+     thread block (the block's warps share (b, h) and stage its query rows once).
+     Splits 0..S-1 cut the sequence's quantized blocks into chunks of `bps` blocks
+     (split-K); split S is the fp16 tail. Every warp computes all H_q / H_kv query
+     heads of its kv head, so the codes are read once per group, and writes
+     (m, l, acc) per query head: running max and sum in log2 units, and the
+     unnormalised output.
+       K phase: a warp step covers 256 tokens (256 / G blocks); lane = (block,
+       8-token segment), loops over the D channels reading b bytes of codes per
+       channel (8 codes), dequantizes in registers and keeps 8 x rep scores.
+       Softmax: warp max per head, exp2 against the running max, p to shared memory.
+       V phase: lane = (token offset, 8 channels); per token, b bytes of codes plus
+       one scale/zero pair; acc[rep][8] stays in registers for the whole split.
+     Only real positions are read: block ids come from the table up to num_blocks,
+     tail rows up to tail_len. No mask, no padding, no fp16 K/V anywhere.
+  2. `kivi_attend_merge`: one thread block per (b, query head), D threads: exact
+     log-sum-exp merge of the splits, output cast to q's dtype.
+The number of splits comes from the SHAPE only (B, H_kv, max blocks; `split_plan`)
+and, with every length, travels as data (`params`) or in the launch grid; the
+template holds only compile-time constants (dtypes, D, G, bits, rep), so a growing
+sequence never recompiles anything.
+
+Numerics (vs the float32 reference): dequantization `q * scale + zero` is contracted
+to one FMA (NVRTC default -fmad=true; the reference rounds twice: ~1 float32 ulp of
+x_hat), the softmax runs in base 2 with log2(e) folded into the query scale, and sums
+run in another order. Outputs agree to about 1e-6 relative before the final cast.
+
+Flush: `kivi_flush_quantize` quantizes the oldest G tail tokens of every flushing slot
+in one launch (one thread per key channel AND per value group: both number
+F * H_kv * D), bit-exact to `kernels.kivi_quant`: float32 subtract, correctly rounded
+division (`__fsub_rn`, `__fdiv_rn`), `rintf` (half to even), zero and scale rounded to
+the storage dtype first and codes computed from the stored values. The caller
+scatters the small outputs into the pool and shifts the tails with mlx ops
+(`kivi_flush`), in place as in the reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from kernels.layout import KiviPool, check_layout
+
+LOG2E = 1.4426950408889634
+WARPS = 4  # warps per thread block of the split kernel
+STEP_TOKENS = 256  # tokens per warp step (8 per lane)
+# Splits are sized so the grid holds about this many warps per SM (several waves of
+# short units; the hardware scheduler balances ragged batches).
+UNITS_PER_SM = 48
+MAX_REP = 8  # query heads per kv head handled by one warp (register budget)
+HEAD_DIMS = (32, 64, 128, 256)
+POOL_DTYPES = (mx.float16, mx.bfloat16)
+Q_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+
+def _cuda_available() -> bool:
+    try:
+        return bool(mx.cuda.is_available())
+    except AttributeError:
+        return False
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors to fill: KIVIQ_NUM_SMS, else 132 (H100/H200)."""
+    return int(os.environ.get("KIVIQ_NUM_SMS", "132"))
+
+
+def split_plan(batch: int, kv_heads: int, max_blocks: int, group_size: int,
+               sms: int | None = None) -> tuple[int, int]:
+    """Split-K plan from the shape alone: (quantized splits S, blocks per split).
+
+    A warp step covers 256 tokens, so splits are whole steps. Enough splits that
+    B * H_kv * S warps give every SM several waves even at B = 1; never more splits
+    than steps. The tail is one more split, not counted here.
+    """
+    step_blocks = STEP_TOKENS // group_size
+    steps = -(-max_blocks // step_blocks)
+    if steps == 0:
+        return 0, step_blocks
+    want = max(1, -(-(sms or num_sms()) * UNITS_PER_SM // (batch * kv_heads)))
+    steps_per_split = -(-steps // min(steps, want))
+    return -(-steps // steps_per_split), steps_per_split * step_blocks
+
+
+def supports(q_shape, q_dtype, pool: KiviPool, bits: int, group_size: int) -> str | None:
+    """None when the kernels handle this call, else the reason they do not."""
+    b, h_q, d = q_shape
+    h_kv = pool.tail_k.shape[1]
+    if d not in HEAD_DIMS or d % group_size:
+        return f"head_dim {d} (kernel: {HEAD_DIMS}, multiple of G)"
+    if h_q % h_kv or h_q // h_kv > MAX_REP:
+        return f"H_q / H_kv = {h_q}/{h_kv} (kernel: integer ratio <= {MAX_REP})"
+    if q_dtype not in Q_DTYPES or pool.k_scales.dtype not in POOL_DTYPES:
+        return f"dtypes q={q_dtype} pool={pool.k_scales.dtype}"
+    if pool.tail_k.dtype != pool.k_scales.dtype:
+        return "tail and scale dtypes differ"
+    try:
+        check_layout(bits, group_size, d)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+# ----------------------------------------------------------------------------------
+# CUDA source. Helpers live in the header (outside MLX's namespace, prefixed kivi_).
+
+HEADER = r"""
+#define KIVI_NEG_INF (__int_as_float(0xff800000))
+#define KIVI_FULL 0xffffffffu
+
+__device__ __forceinline__ float kivi_f(float x) { return x; }
+__device__ __forceinline__ float kivi_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float kivi_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T kivi_from_f(float x);
+template <> __device__ __forceinline__ float kivi_from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half kivi_from_f<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 kivi_from_f<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// 8 consecutive codes (BITS bytes, aligned to BITS bytes by the layout) as two words.
+template <int BITS>
+__device__ __forceinline__ void kivi_load8(const uint8_t* p, uint32_t& lo, uint32_t& hi) {
+  if constexpr (BITS == 2) {
+    lo = __ldg(reinterpret_cast<const unsigned short*>(p));
+    hi = 0u;
+  } else if constexpr (BITS == 4) {
+    lo = __ldg(reinterpret_cast<const unsigned int*>(p));
+    hi = 0u;
+  } else {
+    const uint2 w = __ldg(reinterpret_cast<const uint2*>(p));
+    lo = w.x;
+    hi = w.y;
+  }
+}
+
+// Code j (0..7) of kivi_load8's words as an exact float, without an int->float
+// conversion: the code's bits are or-ed into the mantissa of 2^(23-p) (p = its bit
+// position, kept <= 23 - BITS by a 16-bit shift), then 2^(23-p) is subtracted.
+template <int BITS>
+__device__ __forceinline__ float kivi_code(uint32_t lo, uint32_t hi, int j) {
+  const int wb = j * BITS;
+  const int o = wb & 31;
+  uint32_t w = (wb >= 32) ? hi : lo;
+  const bool shift = o + BITS > 23;
+  const int p = shift ? o - 16 : o;
+  if (shift) w >>= 16;
+  const uint32_t mask = ((1u << BITS) - 1u) << p;
+  const uint32_t magic = uint32_t(150 - p) << 23;
+  return __uint_as_float((w & mask) | magic) - __uint_as_float(magic);
+}
+
+// One fp16/bf16 value from its 16 bits (exact).
+template <typename SD> __device__ __forceinline__ float kivi_bits_f(uint32_t bits);
+template <> __device__ __forceinline__ float kivi_bits_f<__half>(uint32_t bits) {
+  return __half2float(__ushort_as_half((unsigned short)bits));
+}
+template <> __device__ __forceinline__ float kivi_bits_f<__nv_bfloat16>(uint32_t bits) {
+  return __uint_as_float(bits << 16);
+}
+
+// 8 consecutive fp16/bf16 values (16 bytes, aligned) as floats.
+template <typename SD>
+__device__ __forceinline__ void kivi_load8f(const SD* p, float* x) {
+  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    x[2 * k] = kivi_bits_f<SD>(w[k] & 0xffffu);
+    x[2 * k + 1] = kivi_bits_f<SD>(w[k] >> 16);
+  }
+}
+
+__device__ __forceinline__ float kivi_warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(KIVI_FULL, x, o));
+  return x;
+}
+
+__device__ __forceinline__ float kivi_warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(KIVI_FULL, x, o);
+  return x;
+}
+
+// The quantization contract of kernels.kivi_quant for one group, given its min/max.
+template <typename SD, int BITS>
+__device__ __forceinline__ void kivi_group_params(float mn, float mx, SD& zero, SD& scale,
+                                                  float& zf, float& sf) {
+  zero = kivi_from_f<SD>(mn);
+  scale = kivi_from_f<SD>(__fdiv_rn(__fsub_rn(mx, mn), float((1 << BITS) - 1)));
+  zf = kivi_f(zero);
+  sf = kivi_f(scale);
+}
+
+template <int BITS>
+__device__ __forceinline__ uint32_t kivi_quantize(float x, float zf, float sf) {
+  if (sf == 0.0f) return 0u;
+  float q = rintf(__fdiv_rn(__fsub_rn(x, zf), sf));
+  q = fminf(fmaxf(q, 0.0f), float((1 << BITS) - 1));
+  return uint32_t(q);
+}
+"""
+
+# Inputs: q [B, H_q, D] (T); the pool's 8 arrays (layout.py); block_tables [B, MBS],
+# num_blocks, slots, tail_lens [B] int32; params int32 [MBS, bps, S, R + G];
+# qscale float32 [1] = scale * log2(e).
+# Outputs: part_acc float32 [B, H_kv, S + 1, REP, D], part_ml float32 [.., REP, 2].
+# Grid: x = ceil((S + 1) / NW) blocks of NW warps, y = H_kv, z = B.
+ATTEND_SOURCE = r"""
+  constexpr int P = 8 / BITS;
+  constexpr int KROW = G / P;        // bytes of one k_codes row (one channel, G tokens)
+  constexpr int VROW = D / P;        // bytes of one v_codes row (one token, D channels)
+  constexpr int NG = D / G;          // value groups per token
+  constexpr int LPB = G / 8;         // K phase: lanes per block (8 tokens each)
+  constexpr int SB = 32 / LPB;       // blocks per warp step
+  constexpr int STEP = SB * G;       // tokens per warp step (256)
+  constexpr int LR = D / 8;          // V phase: lanes per token row (8 channels each)
+  constexpr int TPI = 32 / LR;       // V phase: tokens per iteration
+
+  __shared__ __align__(16) float qs[D * REP];         // [D][REP] q * scale * log2(e)
+  __shared__ __align__(16) float ps[NW * REP * STEP];  // per warp: [REP][STEP] p
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int H_kv = gridDim.y;
+  const int mbs = params[0];
+  const int bps = params[1];
+  const int nsplit = params[2];
+  const int RG = params[3];
+  const int nsu = nsplit + 1;
+  const int split = blockIdx.x * NW + warp;
+
+  // q rows of this kv head's query heads are contiguous: [REP][D].
+  {
+    const T* qp = q + ((size_t)b * H_kv + h) * (REP * D);
+    const float qscale = qscale_in[0];
+    for (int i = threadIdx.x; i < REP * D; i += NW * 32) {
+      qs[(i % D) * REP + i / D] = kivi_f(qp[i]) * qscale;
+    }
+  }
+  __syncthreads();
+  if (split >= nsu) return;  // warp-uniform; no barrier follows
+
+  float* pw = ps + warp * (REP * STEP);
+  float m[REP], l[REP], acc[REP][8];
+#pragma unroll
+  for (int r = 0; r < REP; ++r) {
+    m[r] = KIVI_NEG_INF;
+    l[r] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[r][j] = 0.0f;
+  }
+  const int cc = lane % LR;  // V phase: channels cc*8 .. cc*8+7 (one value group)
+  const int to = lane / LR;  // V phase: token offset
+
+  if (split < nsplit) {
+    // ---- quantized blocks [blk0, blk1) of this sequence -------------------------
+    const int nb = min(num_blocks[b], mbs);
+    const int blk0 = split * bps;
+    const int blk1 = min(blk0 + bps, nb);
+    const int* table = block_tables + (size_t)b * mbs;
+    const int jl = lane / LPB;   // K phase: block within the step
+    const int seg = lane % LPB;  // K phase: 8-token segment within the block
+    for (int sb = blk0; sb < blk1; sb += SB) {
+      const int nblk = min(SB, blk1 - sb);  // warp-uniform
+      const bool kvalid = jl < nblk;
+      const int pb = kvalid ? table[sb + jl] : 0;
+      float s[REP][8];
+#pragma unroll
+      for (int r = 0; r < REP; ++r)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s[r][j] = 0.0f;
+      if (kvalid) {
+        const size_t tile = (size_t)pb * H_kv + h;
+        const uint8_t* kc = k_codes + tile * (D * KROW) + seg * BITS;
+        const SD* ksp = k_scales + tile * D;
+        const SD* kzp = k_zeros + tile * D;
+#pragma unroll 4
+        for (int d = 0; d < D; ++d) {
+          uint32_t lo, hi;
+          kivi_load8<BITS>(kc + d * KROW, lo, hi);
+          const float ks = kivi_f(__ldg(ksp + d));
+          const float kz = kivi_f(__ldg(kzp + d));
+          float qd[REP];
+#pragma unroll
+          for (int r = 0; r < REP; ++r) qd[r] = qs[d * REP + r];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float x = fmaf(kivi_code<BITS>(lo, hi, j), ks, kz);
+#pragma unroll
+            for (int r = 0; r < REP; ++r) s[r][j] = fmaf(qd[r], x, s[r][j]);
+          }
+        }
+      }
+      // Online softmax over the step; lane 0's block is always valid, so mx is finite.
+#pragma unroll
+      for (int r = 0; r < REP; ++r) {
+        float mx = KIVI_NEG_INF;
+        if (kvalid) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) mx = fmaxf(mx, s[r][j]);
+        }
+        mx = fmaxf(m[r], kivi_warp_max(mx));
+        const float alpha = exp2f(m[r] - mx);
+        m[r] = mx;
+        l[r] *= alpha;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[r][j] *= alpha;
+        float p8[8];
+        float lsum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          p8[j] = kvalid ? exp2f(s[r][j] - mx) : 0.0f;
+          lsum += p8[j];
+        }
+        l[r] += lsum;
+        float4* dst = reinterpret_cast<float4*>(pw + r * STEP + lane * 8);
+        dst[0] = make_float4(p8[0], p8[1], p8[2], p8[3]);
+        dst[1] = make_float4(p8[4], p8[5], p8[6], p8[7]);
+      }
+      __syncwarp();
+      for (int jj = 0; jj < nblk; ++jj) {
+        const int vb = __shfl_sync(KIVI_FULL, pb, jj * LPB);
+        const size_t tile = (size_t)vb * H_kv + h;
+        const uint8_t* vc = v_codes + tile * (G * VROW) + cc * BITS;
+        const SD* vsp = v_scales + tile * (G * NG) + (cc * 8) / G;
+        const SD* vzp = v_zeros + tile * (G * NG) + (cc * 8) / G;
+        const float* pp = pw + jj * G;
+#pragma unroll 4
+        for (int t = to; t < G; t += TPI) {
+          uint32_t lo, hi;
+          kivi_load8<BITS>(vc + t * VROW, lo, hi);
+          const float vs = kivi_f(__ldg(vsp + t * NG));
+          const float vz = kivi_f(__ldg(vzp + t * NG));
+          float pr[REP];
+#pragma unroll
+          for (int r = 0; r < REP; ++r) pr[r] = pp[r * STEP + t];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float x = fmaf(kivi_code<BITS>(lo, hi, j), vs, vz);
+#pragma unroll
+            for (int r = 0; r < REP; ++r) acc[r][j] = fmaf(pr[r], x, acc[r][j]);
+          }
+        }
+      }
+      __syncwarp();
+    }
+  } else {
+    // ---- the fp16/bf16 tail: rows 0 .. tail_len-1 of this sequence's slot --------
+    const int tl = min(tail_lens[b], RG);
+    const size_t base = ((size_t)slots[b] * H_kv + h) * RG * D;
+    const SD* tk = tail_k + base;
+    const SD* tv = tail_v + base;
+    for (int c0 = 0; c0 < tl; c0 += 32) {
+      const int n = min(32, tl - c0);  // warp-uniform
+      const bool valid = lane < n;
+      float s[REP];
+#pragma unroll
+      for (int r = 0; r < REP; ++r) s[r] = 0.0f;
+      if (valid) {
+        const SD* row = tk + (size_t)(c0 + lane) * D;
+#pragma unroll 2
+        for (int d0 = 0; d0 < D; d0 += 8) {
+          float x[8];
+          kivi_load8f<SD>(row + d0, x);
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int r = 0; r < REP; ++r) s[r] = fmaf(qs[(d0 + j) * REP + r], x[j], s[r]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < REP; ++r) {
+        const float mx = fmaxf(m[r], kivi_warp_max(valid ? s[r] : KIVI_NEG_INF));
+        const float alpha = exp2f(m[r] - mx);
+        m[r] = mx;
+        l[r] *= alpha;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[r][j] *= alpha;
+        const float p = valid ? exp2f(s[r] - mx) : 0.0f;
+        l[r] += p;
+        pw[r * STEP + lane] = p;
+      }
+      __syncwarp();
+      for (int t = to; t < n; t += TPI) {
+        float x[8];
+        kivi_load8f<SD>(tv + (size_t)(c0 + t) * D + cc * 8, x);
+#pragma unroll
+        for (int r = 0; r < REP; ++r) {
+          const float pr = pw[r * STEP + t];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[r][j] = fmaf(pr, x[j], acc[r][j]);
+        }
+      }
+      __syncwarp();
+    }
+  }
+
+  // ---- this warp's (m, l, acc) per query head ------------------------------------
+  const size_t oi = ((size_t)(b * H_kv + h) * nsu + split) * REP;
+#pragma unroll
+  for (int r = 0; r < REP; ++r) {
+    l[r] = kivi_warp_sum(l[r]);
+#pragma unroll
+    for (int o = LR; o < 32; o <<= 1)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[r][j] += __shfl_xor_sync(KIVI_FULL, acc[r][j], o);
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < REP; ++r) {
+      part_ml[(oi + r) * 2] = m[r];
+      part_ml[(oi + r) * 2 + 1] = l[r];
+    }
+  }
+  // An empty split (m = -inf) writes no acc; the merge never reads it.
+  if (lane < LR && m[0] != KIVI_NEG_INF) {
+#pragma unroll
+    for (int r = 0; r < REP; ++r) {
+      float4* dst = reinterpret_cast<float4*>(part_acc + (oi + r) * D + cc * 8);
+      dst[0] = make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+      dst[1] = make_float4(acc[r][4], acc[r][5], acc[r][6], acc[r][7]);
+    }
+  }
+"""
+
+# Grid: B * H_q blocks of D threads. out [B, H_q, D] in T.
+MERGE_SOURCE = r"""
+  const int bh = blockIdx.x;   // b * H_q + query head = (b * H_kv + h) * REP + r
+  const int d = threadIdx.x;
+  const int nsu = params[2] + 1;
+  const size_t first = (size_t)(bh / REP) * nsu * REP + (bh % REP);  // split 0
+  float mx = KIVI_NEG_INF;
+  for (int i = 0; i < nsu; ++i) mx = fmaxf(mx, part_ml[(first + (size_t)i * REP) * 2]);
+  float lsum = 0.0f, a = 0.0f;
+  if (mx != KIVI_NEG_INF) {
+    for (int i = 0; i < nsu; ++i) {
+      const size_t k = first + (size_t)i * REP;
+      const float mi = part_ml[k * 2];
+      if (mi != KIVI_NEG_INF) {
+        const float w = exp2f(mi - mx);
+        lsum = fmaf(w, part_ml[k * 2 + 1], lsum);
+        a = fmaf(w, part_acc[k * D + d], a);
+      }
+    }
+  }
+  out[(size_t)bh * D + d] = kivi_from_f<T>(mx == KIVI_NEG_INF ? 0.0f : a / lsum);
+"""
+
+# Inputs: rows_k, rows_v [F, H_kv, R + G, D] (the flushing slots' tails, SD);
+# params int32 [R + G]. One thread block per (f, h), one thread per channel d: the
+# key group of channel d and the value group d (token d / NG, channel group d % NG).
+# Outputs: k_codes [F, H_kv, D, G/P], k_scales/k_zeros [F, H_kv, D],
+#          v_codes [F, H_kv, G, D/P], v_scales/v_zeros [F, H_kv, G, D/G].
+FLUSH_SOURCE = r"""
+  constexpr int P = 8 / BITS;
+  constexpr int NG = D / G;
+  constexpr int CPW = 32 / BITS;   // codes per 32-bit word
+  const int fh = blockIdx.x;
+  const int d = threadIdx.x;
+  const int RG = params[0];
+  const SD* rk = rows_k + (size_t)fh * RG * D;
+  const SD* rv = rows_v + (size_t)fh * RG * D;
+  {
+    // Keys: channel d over the G oldest tokens.
+    const SD* x = rk + d;
+    float mn = kivi_f(x[0]), mx = mn;
+    for (int t = 1; t < G; ++t) {
+      const float v = kivi_f(x[(size_t)t * D]);
+      mn = fminf(mn, v);
+      mx = fmaxf(mx, v);
+    }
+    SD zero, scale;
+    float zf, sf;
+    kivi_group_params<SD, BITS>(mn, mx, zero, scale, zf, sf);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(k_codes + ((size_t)fh * D + d) * (G / P));
+    for (int w = 0; w < G / CPW; ++w) {
+      uint32_t word = 0u;
+#pragma unroll
+      for (int j = 0; j < CPW; ++j) {
+        const float v = kivi_f(x[(size_t)(w * CPW + j) * D]);
+        word |= kivi_quantize<BITS>(v, zf, sf) << (j * BITS);
+      }
+      dst[w] = word;
+    }
+    k_scales[(size_t)fh * D + d] = scale;
+    k_zeros[(size_t)fh * D + d] = zero;
+  }
+  {
+    // Values: token d / NG, channels (d % NG) * G .. + G.
+    const int t = d / NG;
+    const int gi = d % NG;
+    const SD* x = rv + (size_t)t * D + gi * G;
+    float mn = kivi_f(x[0]), mx = mn;
+    for (int c = 1; c < G; ++c) {
+      const float v = kivi_f(x[c]);
+      mn = fminf(mn, v);
+      mx = fmaxf(mx, v);
+    }
+    SD zero, scale;
+    float zf, sf;
+    kivi_group_params<SD, BITS>(mn, mx, zero, scale, zf, sf);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(
+        v_codes + ((size_t)fh * G + t) * (D / P) + gi * (G / P));
+    for (int w = 0; w < G / CPW; ++w) {
+      uint32_t word = 0u;
+#pragma unroll
+      for (int j = 0; j < CPW; ++j) {
+        word |= kivi_quantize<BITS>(kivi_f(x[w * CPW + j]), zf, sf) << (j * BITS);
+      }
+      dst[w] = word;
+    }
+    v_scales[(size_t)fh * D + d] = scale;
+    v_zeros[(size_t)fh * D + d] = zero;
+  }
+"""
+
+POOL_NAMES = ("k_codes", "k_scales", "k_zeros", "v_codes", "v_scales", "v_zeros",
+              "tail_k", "tail_v")
+ATTEND_INPUTS = ["q", *POOL_NAMES, "block_tables", "num_blocks", "slots", "tail_lens",
+                 "params", "qscale_in"]
+ATTEND_OUTPUTS = ["part_acc", "part_ml"]
+MERGE_INPUTS = ["part_acc", "part_ml", "params"]
+FLUSH_INPUTS = ["rows_k", "rows_v", "params"]
+FLUSH_OUTPUTS = list(POOL_NAMES[:6])
+
+
+def _build():
+    if not _cuda_available():
+        return None, None, None
+    k = mx.fast.cuda_kernel
+    return (
+        k(name="kivi_attend_split", input_names=ATTEND_INPUTS, output_names=ATTEND_OUTPUTS,
+          source=ATTEND_SOURCE, header=HEADER),
+        k(name="kivi_attend_merge", input_names=MERGE_INPUTS, output_names=["out"],
+          source=MERGE_SOURCE, header=HEADER),
+        k(name="kivi_flush_quantize", input_names=FLUSH_INPUTS, output_names=FLUSH_OUTPUTS,
+          source=FLUSH_SOURCE, header=HEADER),
+    )
+
+
+ATTEND_KERNEL, MERGE_KERNEL, FLUSH_KERNEL = _build()
+
+
+# ----------------------------------------------------------------------------------
+# Host side, shared with the Metal backend (kernels.kivi_metal).
+
+def attend_launch(q, pool, block_tables, num_blocks, slots, tail_lens, *, scale, bits,
+                  group_size, warps=WARPS, sms=None):
+    """Everything a split+merge launch needs, from shapes and small int arrays.
+
+    Returns (split kwargs, merge kwargs, params, rep); the kwargs lack `template` (and
+    the merge its inputs). All lengths and the split plan are data (`params`) or grid
+    sizes, never template values.
+    """
+    b, h_q, d = q.shape
+    h_kv, rg = pool.tail_k.shape[1], pool.tail_k.shape[2]
+    reason = supports(q.shape, q.dtype, pool, bits, group_size)
+    if reason:
+        raise ValueError(f"kivi kernel does not support {reason}")
+    rep = h_q // h_kv
+    mb = block_tables.shape[1]
+    nsplit, bps = split_plan(b, h_kv, mb, group_size, sms)
+    if mb == 0:  # no quantized blocks anywhere: a dummy column, never read
+        block_tables = mx.zeros((b, 1), dtype=mx.int32)
+    i32 = lambda a: a if a.dtype == mx.int32 else a.astype(mx.int32)  # noqa: E731
+    params = mx.array([max(mb, 1), bps, nsplit, rg], dtype=mx.int32)
+    qscale = mx.array([float(scale) * LOG2E], dtype=mx.float32)
+    nsu = nsplit + 1
+    attend = dict(
+        inputs=[q, *pool, i32(block_tables), i32(num_blocks), i32(slots), i32(tail_lens),
+                params, qscale],
+        grid=(-(-nsu // warps) * warps * 32, h_kv, b),
+        threadgroup=(warps * 32, 1, 1),
+        output_shapes=[(b, h_kv, nsu, rep, d), (b, h_kv, nsu, rep, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    merge = dict(
+        grid=(b * h_q * d, 1, 1),
+        threadgroup=(d, 1, 1),
+        output_shapes=[(b, h_q, d)],
+        output_dtypes=[q.dtype],
+    )
+    return attend, merge, params, rep
+
+
+def attend_templates(q, pool, *, bits, group_size, rep, warps=WARPS):
+    """(split template, merge template): compile-time constants only."""
+    d = q.shape[-1]
+    return (
+        [("T", q.dtype), ("SD", pool.k_scales.dtype), ("D", d), ("G", group_size),
+         ("BITS", bits), ("REP", rep), ("NW", warps)],
+        [("T", q.dtype), ("D", d), ("REP", rep)],
+    )
+
+
+def kivi_decode_attend(
+    q: mx.array,
+    pool: KiviPool,
+    block_tables: mx.array,
+    num_blocks: mx.array,
+    slots: mx.array,
+    tail_lens: mx.array,
+    *,
+    scale: float,
+    bits: int,
+    group_size: int = 32,
+) -> mx.array:
+    """One decode step of attention over the KIVI pool: 2 CUDA launches.
+
+    Same contract as `kernels.kivi_reference.decode_attention`.
+
+    Args:
+        q: [B, H_q, D] fp16/bf16/fp32, RoPE applied.
+        pool: the layer's KiviPool (fp16 or bf16 scales and tails), passed whole.
+        block_tables: int32 [B, max_blocks]; entries past num_blocks[b] are never read.
+        num_blocks: int32 [B].
+        slots: int32 [B].
+        tail_lens: int32 [B], including the current token.
+        scale: softmax scale.
+        bits: b in {2, 4, 8}.
+        group_size: G.
+
+    Returns:
+        [B, H_q, D] in q's dtype.
+    """
+    if ATTEND_KERNEL is None:
+        raise RuntimeError("MLX's CUDA backend is not available")
+    if q.shape[0] == 0:
+        return mx.zeros(q.shape, dtype=q.dtype)
+    attend, merge, params, rep = attend_launch(
+        q, pool, block_tables, num_blocks, slots, tail_lens, scale=scale, bits=bits,
+        group_size=group_size)
+    t_split, t_merge = attend_templates(q, pool, bits=bits, group_size=group_size, rep=rep)
+    part_acc, part_ml = ATTEND_KERNEL(template=t_split, **attend)
+    return MERGE_KERNEL(inputs=[part_acc, part_ml, params], template=t_merge, **merge)[0]
+
+
+def flush_prepare(pool: KiviPool, slots, new_block_ids, tail_lens, *, bits: int,
+                  group_size: int):
+    """Validate like `flush_tails`; returns (slots, ids) as int32 arrays, or None if F=0."""
+    g = group_size
+    _, _, d, row = pool.k_codes.shape
+    check_layout(bits, g, d)
+    if row * (8 // bits) != g:
+        raise ValueError(f"pool was built for G={row * (8 // bits)}, not {g}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"flush kernel: head_dim {d} not in {HEAD_DIMS}")
+    slots = mx.array(slots).astype(mx.int32)
+    ids = mx.array(new_block_ids).astype(mx.int32)
+    f = slots.shape[0]
+    if f == 0:
+        return None
+    lens = mx.array(tail_lens).tolist()
+    if ids.shape[0] != f or len(lens) != f:
+        raise ValueError("slots, new_block_ids and tail_lens must have the same length")
+    if min(lens) < g:
+        raise ValueError(f"every flushed tail needs >= G={g} tokens, got {lens}")
+    if len(set(slots.tolist())) != f or len(set(ids.tolist())) != f:
+        raise ValueError("slots and new_block_ids must not repeat")
+    return slots, ids
+
+
+def flush_apply(pool: KiviPool, slots, ids, rows_k, rows_v, quantized, group_size):
+    """Shift the tails and scatter the new blocks, in place (see `flush_tails`)."""
+    g = group_size
+    shifted = [mx.concatenate([r[:, :, g:], mx.zeros_like(r[:, :, :g])], axis=2)
+               for r in (rows_k, rows_v)]
+    # Every read of the pool (the gathers, the kernel) is finished before any write,
+    # so the scatters below update the pool's buffers in place instead of copying.
+    mx.eval(*quantized, *shifted)
+    for name, arr in zip(POOL_NAMES[:6], quantized):
+        getattr(pool, name)[ids] = arr
+    pool.tail_k[slots] = shifted[0]
+    pool.tail_v[slots] = shifted[1]
+    return pool
+
+
+def flush_launch(pool: KiviPool, rows_k, *, bits, group_size):
+    """Launch arguments of the flush kernel (minus inputs' rows and template)."""
+    f, h_kv, rg, d = rows_k.shape
+    g, p = group_size, 8 // bits
+    sd = pool.k_scales.dtype
+    return dict(
+        grid=(f * h_kv * d, 1, 1),
+        threadgroup=(d, 1, 1),
+        output_shapes=[(f, h_kv, d, g // p), (f, h_kv, d), (f, h_kv, d),
+                       (f, h_kv, g, d // p), (f, h_kv, g, d // g), (f, h_kv, g, d // g)],
+        output_dtypes=[mx.uint8, sd, sd, mx.uint8, sd, sd],
+    ), [("SD", sd), ("D", d), ("G", g), ("BITS", bits)], mx.array([rg], dtype=mx.int32)
+
+
+def kivi_flush(
+    pool: KiviPool,
+    slots: mx.array,
+    new_block_ids: mx.array,
+    tail_lens: mx.array,
+    *,
+    bits: int,
+    group_size: int = 32,
+) -> KiviPool:
+    """Quantize the oldest G tail tokens of some slots into new blocks; shift tails.
+
+    Same contract as `kernels.kivi_reference.flush_tails` (one quantize launch for
+    every flushing slot, K and V; codes/scales/zeros bit-identical to the reference).
+
+    Returns:
+        The same pool object, its arrays updated in place.
+    """
+    if FLUSH_KERNEL is None:
+        raise RuntimeError("MLX's CUDA backend is not available")
+    prepared = flush_prepare(pool, slots, new_block_ids, tail_lens, bits=bits,
+                             group_size=group_size)
+    if prepared is None:
+        return pool
+    slots, ids = prepared
+    rows_k, rows_v = pool.tail_k[slots], pool.tail_v[slots]
+    launch, template, params = flush_launch(pool, rows_k, bits=bits, group_size=group_size)
+    quantized = FLUSH_KERNEL(inputs=[rows_k, rows_v, params], template=template, **launch)
+    return flush_apply(pool, slots, ids, rows_k, rows_v, quantized, group_size)
+
+
+def kernel_objects() -> tuple:
+    """The kernel objects (identity is stable for the process: built once at import)."""
+    return ATTEND_KERNEL, MERGE_KERNEL, FLUSH_KERNEL
+
+
+__all__ = ["kivi_decode_attend", "kivi_flush", "split_plan", "supports"]
