@@ -18,7 +18,9 @@ For each shape and bit width:
 
 Run (2-core CPU):
     PYTHONPATH=. python benchmarks/kv_memory.py
-    PYTHONPATH=. python benchmarks/kv_memory.py --chunk-blocks 0   # one split: the old reference
+    PYTHONPATH=. python benchmarks/kv_memory.py --chunk-blocks 0   # one split, like the old reference
+    git show f8e5ef2:kernels/kivi_reference.py > /tmp/old_reference.py
+    PYTHONPATH=. python benchmarks/kv_memory.py --decode-from /tmp/old_reference.py   # the old reference itself
 """
 
 from __future__ import annotations
@@ -109,12 +111,25 @@ def main() -> None:
     ap.add_argument("--chunk-blocks", type=int, default=None,
                     help="kernels.kivi_reference.CHUNK_BLOCKS for the decode step "
                          f"(default {reference.CHUNK_BLOCKS}; 0 = unbounded: one split, as before the rewrite)")
+    ap.add_argument("--decode-from", metavar="FILE",
+                    help="take decode_attention from this file instead (e.g. the pre-rewrite reference: "
+                         "git show f8e5ef2:kernels/kivi_reference.py > /tmp/old_reference.py)")
     ap.add_argument("--lazy", action="store_true",
                     help="also measure the step with one eval for all layers (as the engine runs it)")
     args = ap.parse_args()
     if args.chunk_blocks is not None:
         reference.CHUNK_BLOCKS = args.chunk_blocks if args.chunk_blocks > 0 else 1 << 30
     chunk_desc = "unbounded" if reference.CHUNK_BLOCKS >= 1 << 30 else str(reference.CHUNK_BLOCKS)
+    if args.decode_from:
+        import importlib.util
+
+        import engine.kv_store
+
+        spec = importlib.util.spec_from_file_location("decode_from", args.decode_from)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        engine.kv_store.decode_attend = module.decode_attention
+        chunk_desc = f"from {args.decode_from}"
 
     print(f"# {command()}")
     print(f"# {machine()}")
