@@ -59,7 +59,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     run_worker(args.model, args.redis_url, burst=args.burst, max_active=args.max_active, log_level=args.log_level,
                kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_residual=args.kv_residual,
-               kv_memory=args.kv_memory)
+               kv_memory=args.kv_memory, max_queued=args.max_queued, grace_s=args.grace,
+               metrics_port=args.metrics_port)
     return 0
 
 
@@ -74,6 +75,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(delta, end="", flush=True)
     print()
     return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    if Client(args.redis_url).cancel(args.job_id):
+        print(f"cancelled {args.job_id}")
+        return 0
+    print(f"{args.job_id}: no such job, or it already ended", file=sys.stderr)
+    return 1
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from client.top import run_top
+
+    return run_top(args.redis_url, interval=args.interval, once=args.once, as_json=args.json)
+
+
+def cmd_bulk(args: argparse.Namespace) -> int:
+    import json
+
+    from jobs.validation import InvalidRequest
+
+    defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                    stop=args.stop, priority=args.priority, timeout_s=args.job_timeout)
+    try:
+        summary = Client(args.redis_url).bulk(args.input, args.output, max_in_flight=args.max_in_flight,
+                                              defaults=defaults, progress=args.progress)
+    except (InvalidRequest, FileNotFoundError, ValueError) as e:
+        print(f"kiviq bulk: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary.as_dict()), flush=True)
+    return 0 if summary.failed == 0 else 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -116,12 +148,18 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--redis-url", default=None, help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
     w.add_argument("--max-active", type=int, default=32, help="most sequences in the engine at once")
     w.add_argument("--burst", action="store_true", help="exit when the queues are empty")
+    w.add_argument("--max-queued", type=int, default=None,
+                   help="queue limit clients must respect (submit raises QueueFull beyond it)")
+    w.add_argument("--grace", type=float, default=30.0,
+                   help="on SIGTERM, seconds running sequences may finish before being requeued")
     w.add_argument("--kv-bits", type=int, choices=(2, 4, 8, 16), default=4,
                    help="KIVI KV-cache bits (16: plain fp16 cache)")
     w.add_argument("--kv-group-size", type=int, default=32, help="KIVI group size G")
     w.add_argument("--kv-residual", type=int, default=128, help="KIVI fp16 window R (multiple of G)")
     w.add_argument("--kv-memory", type=parse_bytes, default=None,
                    help="KV store budget, e.g. 2GiB (default: a quarter of device memory)")
+    w.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics (0: a free port)")
     w.add_argument("--log-level", default="INFO")
     w.set_defaults(func=cmd_worker)
 
@@ -133,6 +171,38 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=600.0)
     g.add_argument("--redis-url", default=None)
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("cancel", help="cancel a queued or running job")
+    c.add_argument("job_id")
+    c.add_argument("--redis-url", default=None)
+    c.set_defaults(func=cmd_cancel)
+
+    t = sub.add_parser("top", help="live view of queues, workers and throughput")
+    t.add_argument("--redis-url", default=None)
+    t.add_argument("--interval", type=float, default=1.0, help="seconds between redraws")
+    t.add_argument("--once", action="store_true", help="print one frame (no ANSI codes) and exit")
+    t.add_argument("--json", action="store_true", help="with --once: print the numbers as JSON")
+    t.set_defaults(func=cmd_top)
+
+    b = sub.add_parser("bulk", help="run a JSONL file of requests (OpenAI Batch API or plain lines); resumable",
+                       description="Each result line (OpenAI batch output shape, with its custom_id) is appended "
+                                   "to OUT as its job finishes; a rerun skips custom_ids already in OUT and "
+                                   "re-attaches to jobs a killed run left queued. Exit status 1 if any line "
+                                   "failed (the error is in OUT), 2 on a usage error.")
+    b.add_argument("input", metavar="IN.jsonl")
+    b.add_argument("output", metavar="OUT.jsonl")
+    b.add_argument("--max-in-flight", type=int, default=64, help="most jobs queued or running at once")
+    b.add_argument("--redis-url", default=None)
+    b.add_argument("--max-tokens", type=int, default=None, help="default for lines that do not set it")
+    b.add_argument("--temperature", type=float, default=None)
+    b.add_argument("--top-p", type=float, default=None)
+    b.add_argument("--seed", type=int, default=None)
+    b.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    b.add_argument("--priority", choices=("high", "default", "low"), default=None)
+    b.add_argument("--job-timeout", type=float, default=None, help="timeout_s of each job")
+    b.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr (default: when stderr is a terminal)")
+    b.set_defaults(func=cmd_bulk)
 
     d = sub.add_parser("demo", help="start Redis (if needed) and a worker, run a few prompts")
     d.add_argument("--model", default=None)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -11,12 +10,12 @@ from redis import Redis
 from rq import Queue
 from rq.exceptions import DuplicateJobError
 from rq.job import Job
-from rq.results import Result
 from rq.serializers import JSONSerializer
 
+from client.cancel import cancel_job
 from client.streaming import JobFailed, iter_events, iter_text
-from jobs.keys import TASK_PATH, job_id_for_idempotency_key, queue_name
-from jobs.models import GenerateRequest, GenerationResult, StreamEvent
+from jobs.keys import TASK_PATH, job_id_for_idempotency_key, max_queued_key, queue_name, queue_names
+from jobs.models import EventType, GenerateRequest, GenerationResult, StreamEvent
 from jobs.validation import validate_request
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -53,32 +52,37 @@ class JobHandle:
         return iter_text(self.events(timeout))
 
     def status(self) -> str:
-        """rq's status of the job (queued, started, finished, failed, ...)."""
+        """rq's status of the job (queued, started, finished, failed, canceled, ...)."""
         return self._job().get_status(refresh=True).value
 
     def result(self, timeout: float = 300.0) -> GenerationResult:
-        """Block until the job ends and return its result.
+        """Block until the job ends and return its result (also for jobs that
+        were cancelled or timed out: see ``finish_reason``).
+
+        The final ``done`` event carries the result (the worker also stores it
+        as the rq result), so this works the same for every way a job ends.
 
         Raises:
             JobFailed: the job failed (the message is the worker's reason).
             TimeoutError: no result within ``timeout`` seconds.
         """
-        job = self._job()
-        res = job.latest_result(timeout=max(1, math.ceil(timeout)))
-        if res is None:
-            raise TimeoutError(f"job {self.job_id}: no result within {timeout} s")
-        if res.type != Result.Type.SUCCESSFUL:
-            raise JobFailed(f"job {self.job_id} failed: {last_line(res.exc_string)}")
-        return GenerationResult.model_validate(res.return_value)
+        for event in self.events(timeout):
+            if event.type == EventType.done and event.result is not None:
+                return event.result
+            if event.type == EventType.error:
+                raise JobFailed(f"job {self.job_id} failed: {event.error}")
+        raise JobFailed(f"job {self.job_id} ended without a result")
+
+    def cancel(self) -> bool:
+        """Cancel the job (see ``Client.cancel``)."""
+        return self._client.cancel(self.job_id)
 
     def _job(self) -> Job:
         return Job.fetch(self.job_id, connection=self._client.redis, serializer=JSONSerializer)
 
 
-def last_line(text: str | None) -> str:
-    """The exception line of a traceback (what a user needs to read)."""
-    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "unknown error"
+class QueueFull(RuntimeError):
+    """The queues hold as many jobs as the operator allows; nothing was enqueued."""
 
 
 class Client:
@@ -90,8 +94,25 @@ class Client:
         connection: an existing redis-py connection (overrides ``redis_url``).
     """
 
-    def __init__(self, redis_url: str | None = None, *, connection: Redis | None = None):
+    def __init__(self, redis_url: str | None = None, *, connection: Redis | None = None,
+                 max_queued: int | None = None):
         self.redis = connection if connection is not None else Redis.from_url(redis_url_from_env(redis_url))
+        self.max_queued = max_queued
+
+    def queued(self) -> int:
+        """Jobs waiting in all priority queues."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for name in queue_names():
+                pipe.llen(Queue(name, connection=self.redis).key)
+            return sum(pipe.execute())
+
+    def _check_backpressure(self) -> None:
+        limit = self.max_queued
+        if limit is None:
+            stored = self.redis.get(max_queued_key())
+            limit = int(stored) if stored is not None else None
+        if limit is not None and self.queued() >= limit:
+            raise QueueFull(f"{self.queued()} jobs are queued (limit {limit}); retry later")
 
     def submit(self, prompt: str | None = None, **fields: Any) -> JobHandle:
         """Validate a request and enqueue it.
@@ -108,6 +129,9 @@ class Client:
         Raises:
             InvalidRequest: a field is invalid; the message names it. Nothing
                 reaches Redis.
+            QueueFull: the operator's queue limit is reached (``kiviq worker
+                --max-queued``, or this client's ``max_queued``); nothing was
+                enqueued.
         """
         if prompt is not None:
             fields["prompt"] = prompt
@@ -118,6 +142,9 @@ class Client:
         """Enqueue an already validated request."""
         key = request.idempotency_key
         job_id = job_id_for_idempotency_key(key) if key else None
+        if job_id is not None and self.redis.exists(Job.key_for(job_id)):
+            return JobHandle(self, job_id)  # a retried submit: no second job, no backpressure error
+        self._check_backpressure()
         queue = Queue(queue_name(request.priority), connection=self.redis, serializer=JSONSerializer)
         try:
             job = queue.enqueue_call(
@@ -137,3 +164,23 @@ class Client:
     def job(self, job_id: str) -> JobHandle:
         """A handle for a job submitted earlier (by any client)."""
         return JobHandle(self, job_id)
+
+    def bulk(self, in_path: str, out_path: str, *, max_in_flight: int = 64,
+             defaults: dict[str, Any] | None = None, progress: bool | None = None):
+        """Run every request of a JSONL file (OpenAI Batch API or plain lines),
+        appending one result line per custom_id to ``out_path``; resumable.
+        See ``client.bulk.run_bulk``; returns its BulkSummary."""
+        from client.bulk import run_bulk  # bulk imports this module
+
+        return run_bulk(self, in_path, out_path, max_in_flight=max_in_flight, defaults=defaults,
+                        progress=progress)
+
+    def cancel(self, job_id: str) -> bool:
+        """Stop a queued job, or a running one at its next decode step (its KV
+        memory is freed then). Its stream ends with ``finish_reason="cancelled"``
+        and rq's status becomes ``canceled``.
+
+        Returns:
+            False if the job does not exist or had already ended.
+        """
+        return cancel_job(self.redis, job_id)

@@ -47,3 +47,28 @@ def replay_log(job_id: str) -> str:
 def job_id_for_idempotency_key(key: str) -> str:
     """Deterministic rq job id for an idempotency key (a retried submit finds it)."""
     return f"{PREFIX}-idem-{key}"
+
+
+def cancel_flag(job_id: str) -> str:
+    """Set by a client to ask the worker running a job to stop it."""
+    return f"{PREFIX}:cancel:{job_id}"
+
+
+def max_queued_key() -> str:
+    """Operator-set limit on queued jobs across all priorities (backpressure)."""
+    return f"{PREFIX}:max-queued"
+
+
+def alive_key(worker_name: str) -> str:
+    """Short-TTL liveness key of a worker: gone means its jobs can be requeued."""
+    return f"{PREFIX}:alive:{worker_name}"
+
+
+def worker_stats_key(worker_name: str) -> str:
+    """JSON snapshot of one worker's metrics (``kiviq top``), kept alive by a TTL."""
+    return f"{PREFIX}:stats:worker:{worker_name}"
+
+
+def worker_stats_pattern() -> str:
+    """SCAN pattern matching every ``worker_stats_key``."""
+    return f"{PREFIX}:stats:worker:*"

@@ -66,7 +66,7 @@ def start_worker(redis_url, redis_conn):
         proc.log_path, proc.log_file = log_path, log_file
         procs.append(proc)
         deadline = time.monotonic() + 180
-        while _worker_count(redis_conn) < len(procs):
+        while _worker_count(redis_conn) < sum(p.poll() is None for p in procs):
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"worker did not start:\n{log_path.read_text()[-4000:]}")
             time.sleep(0.2)

@@ -10,7 +10,7 @@ import pytest
 
 from client.streaming import JobFailed, iter_events, iter_text
 from jobs.models import EventType, StreamEvent
-from worker.publisher import EventPublisher
+from jobs.publisher import EventPublisher
 
 
 def ev(seq, type_="token", text="", **kw):

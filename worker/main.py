@@ -7,6 +7,7 @@ import logging
 from redis import Redis
 
 from client.client import redis_url_from_env
+from worker.metrics import StatsPublisher, WorkerMetrics, serve_metrics
 from worker.service import BatchWorker
 
 log = logging.getLogger("kiviq.worker")
@@ -15,8 +16,13 @@ log = logging.getLogger("kiviq.worker")
 def run_worker(model: str | None = None, redis_url: str | None = None, *, burst: bool = False,
                max_active: int = 32, name: str | None = None, log_level: str = "INFO",
                kv_bits: int = 4, kv_group_size: int = 32, kv_residual: int = 128,
-               kv_memory: int | None = None) -> int:
+               kv_memory: int | None = None, max_queued: int | None = None, grace_s: float = 30.0,
+               metrics_port: int | None = None) -> int:
     """Load ``model`` (default: SmolLM2-135M-Instruct) and serve jobs.
+
+    ``metrics_port``: serve Prometheus metrics on http://127.0.0.1:PORT/metrics
+    (0 picks a free port). Metrics are collected (and published to Redis for
+    ``kiviq top``) either way.
 
     Returns:
         The number of jobs that ended.
@@ -26,10 +32,18 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, burst:
 
     connection = Redis.from_url(redis_url_from_env(redis_url))
     connection.ping()  # fail fast with a clear error before the slow model load
+    metrics = WorkerMetrics()
+    if metrics_port is not None:  # bind before the slow model load: a taken port fails fast
+        serve_metrics(metrics, metrics_port)
     log.info("loading model %s", model or "(default SmolLM2-135M-Instruct)")
     lm, tokenizer = load(model)
     engine = build_engine(lm, tokenizer, kv_bits=kv_bits, kv_group_size=kv_group_size,
                           kv_residual=kv_residual, kv_memory=kv_memory, max_sequences=max_active)
     log.info("KV cache: %s", "fp16" if kv_bits == 16 else f"KIVI {kv_bits}-bit, G={kv_group_size}, R={kv_residual}")
-    worker = BatchWorker(engine, connection, max_active=max_active, name=name)
-    return worker.serve(burst=burst, logging_level=log_level)
+    worker = BatchWorker(engine, connection, max_active=max_active, name=name, max_queued=max_queued,
+                         grace_s=grace_s, metrics=metrics)
+    stats = StatsPublisher(connection, worker.name, metrics).start()  # for `kiviq top`
+    try:
+        return worker.serve(burst=burst, logging_level=log_level)
+    finally:
+        stats.stop()

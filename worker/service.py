@@ -4,15 +4,21 @@ jobs into the engine between steps and streams every step's events.
 rq runs one job per ``work()`` iteration, so this worker drives rq's per-job
 pieces itself (DESIGN.md, "rq 3.0 facts"): ``Queue.dequeue_any`` to pull,
 ``prepare_execution`` / ``prepare_job_execution`` to mark a job started,
-``handle_job_success`` / ``handle_job_failure`` when its sequence ends, and
-``maintain_heartbeats`` while it runs.
+``handle_job_success`` / ``handle_job_failure`` / ``Job.cancel`` when its
+sequence ends, and ``maintain_heartbeats`` while it runs.
+
+Everything a step produces (events, then rq endings) goes through an outbox
+that is flushed before the engine may step again: if Redis goes away the
+worker waits and retries with backoff, and nothing it generated is lost.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timezone
 from typing import Any
@@ -27,21 +33,23 @@ from rq.utils import now
 
 from engine.request import StepEvent
 from engine.setup import context_length
-from jobs.keys import TASK_PATH, queue_names
+from jobs.keys import TASK_PATH, cancel_flag, max_queued_key, queue_names
 from jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, Timing, Usage
+from jobs.publisher import EventPublisher
 from jobs.validation import validate_request
 from worker.prompts import build_request
-from worker.publisher import EventPublisher
+from worker.recovery import ALIVE_TTL_S, mark_alive, mark_dead, requeue_orphans
 
 log = logging.getLogger("kiviq.worker")
+
+HEARTBEAT_EVERY_S = min(5.0, ALIVE_TTL_S / 3)
+RECOVERY_EVERY_S = float(os.environ.get("KIVIQ_RECOVERY_EVERY_S", "30"))
+IDLE_DEQUEUE_TIMEOUT_S = 1  # blocking pop while idle; short so signals are seen
 
 
 def describe_error(error: Exception) -> str:
     """One line a user can act on: the exception type and message."""
     return f"{type(error).__name__}: {error}"
-
-HEARTBEAT_EVERY_S = 10.0
-IDLE_DEQUEUE_TIMEOUT_S = 1  # blocking pop while idle; short so signals are seen
 
 
 @dataclass
@@ -68,19 +76,30 @@ class BatchWorker(SimpleWorker):
         max_active: most sequences admitted into the engine at once.
         grace_s: on SIGTERM/SIGINT, how long running sequences may finish
             before the rest are requeued.
+        max_queued: if set, published for clients as the queue limit
+            (``submit`` then raises QueueFull).
+        max_attempts: runs of a job whose worker died before it fails.
+        metrics: optional WorkerMetrics-like object fed with step statistics.
     """
 
     def __init__(self, engine: Any, connection: redis.Redis, *, max_active: int = 32,
-                 grace_s: float = 30.0, name: str | None = None):
+                 grace_s: float = 30.0, name: str | None = None, max_queued: int | None = None,
+                 max_attempts: int = 3, metrics: Any = None):
         queues = [Queue(n, connection=connection, serializer=JSONSerializer) for n in queue_names()]
         super().__init__(queues, name=name, connection=connection, serializer=JSONSerializer)
         self.engine = engine
         self.max_context = context_length(engine.model)
         self.max_active = min(max_active, engine.capacity)
         self.grace_s = grace_s
+        self.max_queued = max_queued
+        self.max_attempts = max_attempts
+        self.metrics = metrics
         self.publisher = EventPublisher(connection)
         self.active: dict[str, ActiveJob] = {}
+        self._outbox_events: list[StreamEvent] = []
+        self._outbox_endings: list[Callable[[], None]] = []
         self._last_heartbeat = 0.0
+        self._last_recovery = 0.0
         self._stop_at: float | None = None
 
     # ---- lifecycle -------------------------------------------------------
@@ -89,37 +108,45 @@ class BatchWorker(SimpleWorker):
         """Run until stopped (or, with ``burst``, until the queues are empty).
 
         Returns:
-            The number of jobs that ended (finished or failed).
+            The number of jobs that ended (finished, failed or cancelled).
         """
         self.bootstrap(logging_level)
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        ended = 0
+        if self.max_queued is not None:
+            self.connection.set(max_queued_key(), self.max_queued)
+        self.ended = 0
         backoff = 0.5
         try:
             while True:
                 try:
+                    self._flush_outbox()
                     if self._stop_at is not None and (not self.active or time.monotonic() >= self._stop_at):
                         break
-                    if self.should_run_maintenance_tasks:
-                        self.run_maintenance_tasks()
+                    self._housekeeping()
                     if self._stop_at is None:
                         self._admit(block=not self.active and not burst)
                     if not self.active:
-                        if burst:
+                        if burst and self.engine.num_active == 0:
                             break
                         continue
-                    ended += self._step()
-                    self._heartbeat_if_due()
+                    self._check_cancels()
+                    self._step()
+                    self._flush_outbox()
                     backoff = 0.5
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
-                    log.error("Redis unreachable (%s); retrying in %.1f s", e, backoff)
+                    log.error("Redis unreachable (%s); retrying in %.1f s", type(e).__name__, backoff)
                     time.sleep(backoff)
-                    backoff = min(backoff * 2, 30.0)
+                    backoff = min(backoff * 2, 10.0)
         finally:
-            self._requeue_all()
-            self.teardown()
-        return ended
+            try:
+                self._flush_outbox()
+                self._requeue_all()
+                mark_dead(self.connection, self.name)
+                self.teardown()
+            except redis.exceptions.RedisError as e:  # rq's cleanup requeues what we could not
+                log.error("shutdown bookkeeping failed: %s", e)
+        return self.ended
 
     def _on_signal(self, signum, frame):
         if self._stop_at is None:
@@ -127,6 +154,20 @@ class BatchWorker(SimpleWorker):
             self._stop_at = time.monotonic() + self.grace_s
         else:  # second signal: stop now, requeue what runs
             self._stop_at = 0.0
+
+    def _housekeeping(self) -> None:
+        t = time.monotonic()
+        if t - self._last_heartbeat >= HEARTBEAT_EVERY_S:
+            self._last_heartbeat = t
+            mark_alive(self.connection, self.name)
+            self.heartbeat()
+            for active in self.active.values():
+                self.maintain_heartbeats(active.job, active.execution)
+        if t - self._last_recovery >= RECOVERY_EVERY_S:
+            self._last_recovery = t
+            requeue_orphans(self.connection, self.queues, max_attempts=self.max_attempts)
+        if self.should_run_maintenance_tasks:
+            self.run_maintenance_tasks()
 
     # ---- admission -------------------------------------------------------
 
@@ -164,7 +205,10 @@ class BatchWorker(SimpleWorker):
         active = ActiveJob(job, queue, execution, self.publisher.next_seq(job.id))
         self.active[job.id] = active
         if active.next_seq > 0:  # a requeued job: clients drop what they saw
-            self._publish([self._event(active, EventType.restarted)])
+            self._outbox_events.append(self._event(active, EventType.restarted))
+        if self.connection.exists(cancel_flag(job.id)):
+            self._cancel(active)
+            return
         try:
             if error is not None:
                 raise error
@@ -175,6 +219,8 @@ class BatchWorker(SimpleWorker):
             return
         active.prompt_tokens = len(engine_request.prompt_tokens)
         self.engine.add(engine_request)
+        if self.metrics is not None:
+            self.metrics.job_admitted(job.id, self._queue_wait(job), queue.name)
         log.info("job %s admitted (%d prompt tokens)", job.id, active.prompt_tokens)
 
     @staticmethod
@@ -192,115 +238,166 @@ class BatchWorker(SimpleWorker):
 
     # ---- stepping --------------------------------------------------------
 
-    def _step(self) -> int:
+    def _check_cancels(self) -> None:
+        ids = list(self.active)
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.exists(cancel_flag(job_id))
+            flags = pipe.execute()
+        for job_id, flagged in zip(ids, flags):
+            if flagged:
+                self._cancel(self.active[job_id])
+
+    def _step(self) -> None:
+        started = time.monotonic()
         events = self.engine.step()
-        out: list[StreamEvent] = []
-        finished: list[tuple[ActiveJob, StepEvent]] = []
         for ev in events:
             active = self.active.get(ev.request_id)
             if active is None:
                 continue
             if ev.token_ids and active.first_token_at is None:
                 active.first_token_at = time.monotonic()
+                if self.metrics is not None:
+                    self.metrics.first_token(active.job.id, active.first_token_at - active.admitted_at)
+            if self.metrics is not None and ev.token_ids:
+                self.metrics.tokens(active.job.id, len(ev.token_ids))
             active.token_ids.extend(ev.token_ids)
             active.text.append(ev.text)
             if ev.text or ev.token_ids:
-                out.append(self._event(active, EventType.token, text=ev.text, token_ids=ev.token_ids))
-            if ev.finish_reason is not None:
-                finished.append((active, ev))
-        self._publish(out)
-        for active, ev in finished:
+                self._outbox_events.append(self._event(active, EventType.token, text=ev.text, token_ids=ev.token_ids))
             if ev.finish_reason == FinishReason.error.value:
                 self._finish_failed(active, ev.error or "generation failed")
-            else:
+            elif ev.finish_reason is not None:
                 self._finish_ok(active, FinishReason(ev.finish_reason))
-        return len(finished)
+        if self.metrics is not None:
+            self.metrics.observe_engine_step(self.engine, time.monotonic() - started)
 
     def _event(self, active: ActiveJob, type_: EventType, **fields) -> StreamEvent:
         event = StreamEvent(job_id=active.job.id, seq=active.next_seq, type=type_, **fields)
         active.next_seq += 1
         return event
 
-    def _publish(self, events: list[StreamEvent]) -> None:
-        self.publisher.publish(events)
+    def _flush_outbox(self) -> None:
+        """Publish pending events, then run pending rq endings, in order."""
+        if self._outbox_events:
+            self.publisher.publish(self._outbox_events)
+            self._outbox_events = []
+        while self._outbox_endings:
+            self._outbox_endings[0]()
+            self._outbox_endings.pop(0)
 
     # ---- endings ---------------------------------------------------------
 
+    @staticmethod
+    def _queue_wait(job: Job) -> float:
+        if not (job.enqueued_at and job.started_at):
+            return 0.0
+        enq = job.enqueued_at.replace(tzinfo=job.started_at.tzinfo or timezone.utc)
+        return max(0.0, (job.started_at - enq).total_seconds())
+
     def _result(self, active: ActiveJob, reason: FinishReason) -> GenerationResult:
         end = time.monotonic()
-        job = active.job
-        queue_s = 0.0
-        if job.enqueued_at and job.started_at:
-            queue_s = max(0.0, (job.started_at - job.enqueued_at.replace(tzinfo=job.started_at.tzinfo or timezone.utc)).total_seconds())
         first = active.first_token_at
         n = len(active.token_ids)
         decode_tps = (n - 1) / (end - first) if first and n > 1 and end > first else 0.0
         return GenerationResult(
-            job_id=job.id,
+            job_id=active.job.id,
             text="".join(active.text),
             token_ids=active.token_ids,
             finish_reason=reason,
             usage=Usage(prompt_tokens=active.prompt_tokens, completion_tokens=n),
             timing=Timing(
-                queue_s=queue_s,
+                queue_s=self._queue_wait(active.job),
                 ttft_s=(first - active.admitted_at) if first else 0.0,
                 total_s=end - active.admitted_at,
                 decode_tokens_per_s=decode_tps,
             ),
         )
 
+    def _ended(self, active: ActiveJob, outcome: str, finish_reason: FinishReason | None = None) -> None:
+        self.active.pop(active.job.id, None)
+        self.ended += 1
+        if self.metrics is not None:
+            self.metrics.job_finished(active.job.id, outcome, time.monotonic() - active.admitted_at,
+                                      active.prompt_tokens, len(active.token_ids),
+                                      finish_reason=finish_reason.value if finish_reason else None)
+
     def _finish_ok(self, active: ActiveJob, reason: FinishReason) -> None:
         result = self._result(active, reason)
-        self._publish([self._event(active, EventType.done, finish_reason=reason, result=result)])
+        self._outbox_events.append(self._event(active, EventType.done, finish_reason=reason, result=result))
         job = active.job
-        self.active.pop(job.id, None)
-        job._result = result.model_dump(mode="json")
-        job._status = JobStatus.FINISHED
-        self.handle_execution_ended(job, active.queue, job.success_callback_timeout)
-        self.handle_job_success(job=job, queue=active.queue, started_job_registry=active.queue.started_job_registry,
-                                execution=active.execution)
+
+        def record() -> None:
+            job._result = result.model_dump(mode="json")
+            job._status = JobStatus.FINISHED
+            self.handle_execution_ended(job, active.queue, job.success_callback_timeout)
+            self.handle_job_success(job=job, queue=active.queue,
+                                    started_job_registry=active.queue.started_job_registry,
+                                    execution=active.execution)
+
+        self._outbox_endings.append(record)
+        self._ended(active, "timeout" if reason == FinishReason.timeout else "finished", reason)
         log.info("job %s finished: %s, %d tokens", job.id, reason.value, len(active.token_ids))
 
     def _finish_failed(self, active: ActiveJob, message: str) -> None:
         job = active.job
         self.engine.abort(job.id)
-        self.active.pop(job.id, None)
-        self._publish([self._event(active, EventType.error, finish_reason=FinishReason.error, error=message)])
-        job._status = JobStatus.FAILED
-        self.handle_execution_ended(job, active.queue, job.failure_callback_timeout)
-        self.handle_job_failure(job, active.queue, exc_string=message, execution=active.execution)
+        self._outbox_events.append(self._event(active, EventType.error, finish_reason=FinishReason.error,
+                                               error=message))
+
+        def record() -> None:
+            job._status = JobStatus.FAILED
+            self.handle_execution_ended(job, active.queue, job.failure_callback_timeout)
+            self.handle_job_failure(job, active.queue, exc_string=message, execution=active.execution)
+
+        self._outbox_endings.append(record)
+        self._ended(active, "failed")
         log.warning("job %s failed: %s", job.id, message)
+
+    def _cancel(self, active: ActiveJob) -> None:
+        """Stop a job on a client's request: KV freed now, rq status canceled."""
+        job = active.job
+        self.engine.abort(job.id)
+        result = self._result(active, FinishReason.cancelled)
+        self._outbox_events.append(self._event(active, EventType.done, finish_reason=FinishReason.cancelled,
+                                               result=result))
+
+        def record() -> None:
+            with self.connection.pipeline() as pipe:
+                self.cleanup_execution(job, pipeline=pipe, execution=active.execution)
+                pipe.delete(cancel_flag(job.id))
+                pipe.execute()
+            if job.get_status(refresh=True) != JobStatus.CANCELED:
+                job.cancel()
+
+        self._outbox_endings.append(record)
+        self._ended(active, "cancelled")
+        log.info("job %s cancelled after %d tokens", job.id, len(active.token_ids))
 
     def _fail_unreadable(self, job_id: str | None, queue: Queue | None, error: Exception) -> None:
         """Record a job whose stored data could not be loaded at all."""
         log.warning("job %s unreadable: %s", job_id, error)
         if not job_id or queue is None:
             return
-        message = f"unreadable job data: {type(error).__name__}: {error}"
+        message = f"unreadable job data: {describe_error(error)}"
         job = Job(id=job_id, connection=self.connection, serializer=self.serializer)
         with self.connection.pipeline() as pipe:
             queue.failed_job_registry.add(job, exc_string=message, pipeline=pipe)
             pipe.hset(job.key, mapping={"status": JobStatus.FAILED.value, "exc_info": message})
             pipe.execute()
+        self.publisher.publish([StreamEvent(job_id=job_id, seq=self.publisher.next_seq(job_id),
+                                            type=EventType.error, finish_reason=FinishReason.error, error=message)])
 
     def _requeue_all(self) -> None:
         """Put jobs still in the engine back at the front of their queues."""
         for active in list(self.active.values()):
             job = active.job
             self.engine.abort(job.id)
-            try:
-                with self.connection.pipeline() as pipe:
-                    self.cleanup_execution(job, pipeline=pipe, execution=active.execution)
-                    pipe.execute()
-                active.queue._enqueue_job(job, at_front=True)
-                log.info("job %s requeued", job.id)
-            except redis.exceptions.RedisError as e:  # left for rq's abandoned-job cleanup
-                log.error("could not requeue job %s: %s", job.id, e)
+            with self.connection.pipeline() as pipe:
+                self.cleanup_execution(job, pipeline=pipe, execution=active.execution)
+                pipe.execute()
+            active.queue._enqueue_job(job, at_front=True)
+            if self.metrics is not None:
+                self.metrics.job_requeued(job.id)
+            log.info("job %s requeued", job.id)
         self.active.clear()
-
-    def _heartbeat_if_due(self) -> None:
-        if time.monotonic() - self._last_heartbeat < HEARTBEAT_EVERY_S:
-            return
-        self._last_heartbeat = time.monotonic()
-        for active in self.active.values():
-            self.maintain_heartbeats(active.job, active.execution)

@@ -1,0 +1,177 @@
+"""Reliability of the service: cancel, deadlines, backpressure, worker crash
+and shutdown, Redis restart (real Redis, real SmolLM2, worker subprocesses)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+from redis import Redis
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from client import Client, QueueFull
+from client.local_redis import free_port
+from jobs.keys import queue_name, replay_log
+
+FAST_RECOVERY = {"KIVIQ_ALIVE_TTL_S": "3", "KIVIQ_RECOVERY_EVERY_S": "1"}
+PROMPTS = [f"Write a short note about the number {i}." for i in range(50)]
+
+
+def wait_for(predicate, timeout: float, what: str, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(every)
+
+
+def count_done_events(conn: Redis, job_id: str) -> int:
+    return sum(b'"type":"done"' in raw for raw in conn.lrange(replay_log(job_id), 0, -1))
+
+
+def test_cancel_queued_job(redis_url, redis_conn):
+    client = Client(redis_url)
+    handle = client.submit(prompt="never runs", max_tokens=4)
+    assert client.cancel(handle.job_id)
+    result = handle.result(timeout=10)
+    assert result.finish_reason.value == "cancelled" and result.text == ""
+    assert handle.status() == "canceled"
+    assert Queue(queue_name("default"), connection=redis_conn).count == 0
+    assert not client.cancel(handle.job_id)  # already ended
+
+
+def test_cancel_running_job_and_keep_serving(worker_process, redis_url):
+    client = Client(redis_url)
+    handle = client.submit(prompt="Count from one to one thousand: one, two,", max_tokens=2000)
+    stream = handle.stream(timeout=300)
+    first = next(stream)  # it is running
+    assert first
+    assert subprocess.run([os.sys.executable, "-m", "client.cli", "cancel", handle.job_id, "--redis-url", redis_url],
+                          capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__))).returncode == 0
+    result = handle.result(timeout=60)
+    assert result.finish_reason.value == "cancelled"
+    assert 0 < result.usage.completion_tokens < 2000 and result.text.startswith(first)
+    wait_for(lambda: handle.status() == "canceled", 10, "rq status canceled")
+    after = client.submit(prompt="The capital of Italy is", max_tokens=4)
+    assert after.result(timeout=120).usage.completion_tokens > 0
+
+
+def test_deadline_ends_with_timeout_and_partial_text(worker_process, redis_url):
+    handle = Client(redis_url).submit(prompt="Count from one to one thousand: one, two,", max_tokens=2000,
+                                      timeout_s=2.0)
+    result = handle.result(timeout=120)
+    assert result.finish_reason.value == "timeout"
+    assert 0 < result.usage.completion_tokens < 2000 and result.text
+
+
+def test_backpressure_raises_queue_full_and_enqueues_nothing(redis_url, redis_conn):
+    client = Client(redis_url, max_queued=2)
+    client.submit(prompt="a", max_tokens=1)
+    client.submit(prompt="b", max_tokens=1)
+    with pytest.raises(QueueFull, match="limit 2"):
+        client.submit(prompt="c", max_tokens=1)
+    assert client.queued() == 2
+    # The operator's limit, published by `kiviq worker --max-queued`, binds every client.
+    redis_conn.set("kiviq:max-queued", 1)
+    with pytest.raises(QueueFull):
+        Client(redis_url).submit(prompt="d", max_tokens=1)
+
+
+def test_sigkill_mid_batch_then_new_worker_completes_every_job_once(start_worker, redis_url, redis_conn,
+                                                                     monkeypatch):
+    for k, v in FAST_RECOVERY.items():
+        monkeypatch.setenv(k, v)
+    client = Client(redis_url)
+    first = start_worker()
+    handles = [client.submit(prompt=p, max_tokens=8) for p in PROMPTS]
+    wait_for(lambda: sum(count_done_events(redis_conn, h.job_id) for h in handles) >= 5, 300, "a few results")
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    started_when_killed = Queue(queue_name("default"), connection=redis_conn).started_job_registry.count
+    start_worker()
+    results = {h.job_id: h.result(timeout=600) for h in handles}
+    assert started_when_killed > 0  # the kill really interrupted running sequences
+    for h in handles:
+        assert count_done_events(redis_conn, h.job_id) == 1
+        assert redis_conn.xlen(f"rq:results:{h.job_id}") == 1  # the result was written exactly once
+    # Texts equal an uninterrupted run of the same prompts.
+    again = [client.submit(prompt=p, max_tokens=8) for p in PROMPTS]
+    for h, h2 in zip(handles, again):
+        assert results[h.job_id].text == h2.result(timeout=600).text
+
+
+def test_sigterm_finishes_or_requeues_and_exits_zero(start_worker, redis_url, redis_conn):
+    client = Client(redis_url)
+    worker = start_worker("--grace", "2")
+    short = [client.submit(prompt=p, max_tokens=3) for p in PROMPTS[:3]]
+    long = [client.submit(prompt=f"Count from one to one thousand, {i}: one, two,", max_tokens=3000)
+            for i in range(3)]
+    wait_for(lambda: all(count_done_events(redis_conn, h.job_id) for h in short), 300, "short jobs")
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=60) == 0
+    statuses = [Job.fetch(h.job_id, connection=redis_conn, serializer=JSONSerializer).get_status().value
+                for h in long]
+    assert set(statuses) <= {"queued", "finished"} and "queued" in statuses  # finished or requeued, never lost
+    start_worker()
+    for h, status in zip(long, statuses):
+        if status == "queued":
+            wait_for(lambda: h.status() == "started", 120, "requeued job to run again")
+            client.cancel(h.job_id)  # no need to generate 3000 tokens: it is back and running
+        assert h.result(timeout=120).finish_reason.value in ("cancelled", "length", "stop")
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs a redis-server binary to restart")
+def test_redis_restart_mid_run_loses_no_job(start_worker, monkeypatch):
+    port, workdir = free_port(), tempfile.mkdtemp(prefix="kiviq-redis-")
+    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, "--save", "",
+           "--appendonly", "yes", "--appendfsync", "always"]
+    url = f"redis://127.0.0.1:{port}/0"
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: _pings(url), 10, "test redis")
+        monkeypatch.setattr("tests.conftest.TEST_REDIS_URL", url, raising=False)
+        conn = Redis.from_url(url)
+        worker = subprocess.Popen([os.sys.executable, "-m", "client.cli", "worker", "--redis-url", url],
+                                  cwd=os.path.dirname(os.path.dirname(__file__)),
+                                  env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for(lambda: _workers(conn) > 0, 180, "worker")
+            client = Client(url)
+            handles = [client.submit(prompt=p, max_tokens=24) for p in PROMPTS[:8]]
+            wait_for(lambda: sum(count_done_events(conn, h.job_id) for h in handles) >= 1, 300, "first result")
+            server.kill()
+            server.wait()
+            time.sleep(1.0)
+            server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+            wait_for(lambda: _pings(url), 10, "restarted redis")
+            for h in handles:
+                assert h.result(timeout=300).finish_reason.value in ("stop", "length")
+            assert worker.poll() is None
+        finally:
+            worker.terminate()
+            worker.wait(timeout=30)
+    finally:
+        server.kill()
+        server.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _pings(url: str) -> bool:
+    try:
+        return Redis.from_url(url, socket_connect_timeout=0.5).ping()
+    except Exception:
+        return False
+
+
+def _workers(conn: Redis) -> int:
+    from rq import Worker
+
+    return len(Worker.all(connection=conn))
