@@ -1,0 +1,167 @@
+"""AsyncClient: the stream protocol on fakeredis, validation and idempotency
+on the real Redis, and end to end against a real worker (same result as the
+sync client for a greedy prompt)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import fakeredis
+import pytest
+import redis.asyncio as aioredis
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from client import AsyncClient, Client, InvalidRequest, JobFailed
+from client.async_client import aiter_events, aiter_text, sync_redis_like
+from jobs.keys import queue_name
+from jobs.models import EventType, StreamEvent
+from jobs.publisher import EventPublisher
+
+
+def ev(seq, type_="token", text="", **kw):
+    return StreamEvent(job_id="j1", seq=seq, type=EventType(type_), text=text, **kw)
+
+
+async def collect(aiterable):
+    return [x async for x in aiterable]
+
+
+# ---- the stream protocol (fakeredis) -------------------------------------
+
+
+@pytest.fixture
+def fake_pair():
+    server = fakeredis.FakeServer()
+    return fakeredis.FakeRedis(server=server), fakeredis.FakeAsyncRedis(server=server)
+
+
+def test_late_subscriber_and_restart_dedupe(fake_pair):
+    sync, conn = fake_pair
+    EventPublisher(sync).publish([ev(0, text="The "), ev(1, text="sky"), ev(2, "restarted"), ev(3, text="The "),
+                                  ev(4, text="sky"), ev(5, text=" is"), ev(6, "done", finish_reason="stop")])
+
+    async def main():
+        events = await collect(aiter_events(conn, "j1", timeout=5))
+        deltas = await collect(aiter_text(aiter_events(conn, "j1", timeout=5)))
+        return events, deltas
+
+    events, deltas = asyncio.run(main())
+    assert [e.seq for e in events] == list(range(7))
+    assert deltas == ["The ", "sky", " is"]
+
+
+def test_live_events_in_order_exactly_once(fake_pair):
+    sync, conn = fake_pair
+    pub = EventPublisher(sync)
+    pub.publish([ev(0, text="a")])
+
+    def produce():
+        for i in range(1, 15):
+            time.sleep(0.005)
+            pub.publish([ev(i, text=chr(ord("a") + i))])
+        pub.publish([ev(15, "done", finish_reason="length")])
+
+    t = threading.Thread(target=produce)
+    t.start()
+    events = asyncio.run(collect(aiter_events(conn, "j1", timeout=10)))
+    t.join()
+    assert [e.seq for e in events] == list(range(16))
+
+
+def test_error_and_timeout(fake_pair):
+    sync, conn = fake_pair
+    EventPublisher(sync).publish([ev(0, text="x"), ev(1, "error", error="boom")])
+    with pytest.raises(JobFailed, match="boom"):
+        asyncio.run(collect(aiter_text(aiter_events(conn, "j1", timeout=5))))
+    client = AsyncClient(connection=conn, sync_connection=sync)
+    with pytest.raises(JobFailed, match="boom"):
+        asyncio.run(client.job("j1").result(timeout=5))
+    EventPublisher(sync).publish([StreamEvent(job_id="j2", seq=0, type=EventType.token, text="x")])
+    with pytest.raises(TimeoutError):
+        asyncio.run(client.job("j2").result(timeout=0.3))
+
+
+def test_sync_redis_like_targets_the_same_database(redis_url):
+    async def main():
+        conn = aioredis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=9)
+        await conn.set("probe", "v")
+        sync = sync_redis_like(conn)
+        try:
+            return sync.get("probe"), sync.connection_pool.connection_kwargs
+        finally:
+            sync.close()
+            await conn.aclose()
+
+    value, kwargs = asyncio.run(main())
+    assert value == b"v"  # bytes: rq needs undecoded replies
+    assert kwargs["db"] == 15 or redis_url.endswith(f"/{kwargs['db']}")
+    assert kwargs["socket_timeout"] == 9
+
+
+# ---- real Redis ----------------------------------------------------------
+
+
+def test_invalid_async_submit_names_field_and_touches_nothing(redis_url, redis_conn):
+    cases = {
+        "max_tokens": dict(prompt="hi", max_tokens=0),
+        "temperature": dict(prompt="hi", temperature=-0.5),
+        "bogus_field": dict(prompt="hi", bogus_field=1),
+        "messages": dict(messages=[]),
+    }
+
+    async def main():
+        async with AsyncClient(redis_url) as client:
+            for field, kwargs in cases.items():
+                with pytest.raises(InvalidRequest) as info:
+                    await client.submit(**kwargs)
+                assert field in str(info.value) and field in info.value.fields
+
+    asyncio.run(main())
+    assert redis_conn.dbsize() == 0
+
+
+def test_idempotency_key_returns_the_existing_job(redis_url, redis_conn):
+    async def main():
+        async with AsyncClient(redis_url) as client:
+            a = await client.submit(prompt="hi", max_tokens=2, idempotency_key="same-key")
+            b = await client.submit(prompt="hi", max_tokens=2, idempotency_key="same-key")
+            return a.job_id, b.job_id, await a.status()
+
+    a, b, status = asyncio.run(main())
+    assert a == b and status == "queued"
+    queue = Queue(queue_name("default"), connection=redis_conn, serializer=JSONSerializer)
+    assert queue.job_ids == [a]
+    # Byte-for-byte the sync client's job: the sync client finds it by the same key.
+    assert Client(redis_url).submit(prompt="hi", max_tokens=2, idempotency_key="same-key").job_id == a
+
+
+def test_async_matches_sync_end_to_end(worker_process, redis_url):
+    prompt = "The three primary colors are"
+    sync_result = Client(redis_url).submit(prompt=prompt, max_tokens=6).result(timeout=300)
+
+    async def main():
+        async with AsyncClient(redis_url) as client:
+            handle = await client.submit(prompt=prompt, max_tokens=6)
+            streamed = "".join([d async for d in handle.stream(timeout=300)])
+            result = await handle.result(timeout=300)
+            events = [e async for e in client.job(handle.job_id).events(timeout=10)]
+            # Two coroutines on two jobs at once (one passes its own connection).
+            conn = aioredis.Redis.from_url(redis_url)
+            other = AsyncClient(connection=conn)
+            h1, h2 = await asyncio.gather(client.submit(prompt=prompt, max_tokens=6),
+                                          other.submit(messages=[{"role": "user", "content": "Hi"}], max_tokens=3))
+            r1, r2 = await asyncio.gather(h1.result(timeout=300), h2.result(timeout=300))
+            await other.aclose()
+            await conn.aclose()
+            return handle, streamed, result, events, r1, r2
+
+    handle, streamed, result, events, r1, r2 = asyncio.run(main())
+    assert result.job_id == handle.job_id
+    assert result.token_ids == sync_result.token_ids and result.text == sync_result.text
+    assert streamed == result.text
+    assert [e.seq for e in events] == list(range(len(events))) and events[-1].type == EventType.done
+    assert r1.token_ids == sync_result.token_ids
+    assert 0 < r2.usage.completion_tokens <= 3

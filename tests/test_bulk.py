@@ -1,0 +1,396 @@
+"""Bulk JSONL generation: line parsing and OpenAI mapping, output records,
+resume (fakeredis with a fake worker thread), and end to end with a real
+worker, including a SIGKILLed run that is rerun."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import fakeredis
+import pytest
+from rq.job import Job
+from rq.registry import FinishedJobRegistry
+from rq.serializers import JSONSerializer
+
+from client import Client, InvalidRequest
+from client.bulk import Progress, BulkSummary, idempotency_key, parse_line, read_done
+from jobs.keys import job_id_for_idempotency_key, max_queued_key, queue_name, queue_names, replay_log
+from jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, Usage
+from jobs.publisher import EventPublisher
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def read_out(path: Path) -> list[dict]:
+    return [json.loads(s) for s in path.read_text().splitlines()]
+
+
+# ---- parsing and mapping (pure) -----------------------------------------
+
+
+def test_openai_completions_line_maps_fields():
+    line = parse_line(json.dumps({
+        "custom_id": "a", "method": "POST", "url": "/v1/completions",
+        "body": {"model": "whatever", "prompt": "The sky is", "max_completion_tokens": 5, "temperature": 0.5,
+                 "top_p": 0.9, "stop": "\n", "seed": 3, "n": 1}}), 1)
+    assert line.error is None and line.custom_id == "a"
+    r = line.request
+    assert (r.prompt, r.max_tokens, r.temperature, r.top_p, r.stop, r.seed) == ("The sky is", 5, 0.5, 0.9, ["\n"], 3)
+
+
+def test_openai_chat_line_maps_messages_and_parts():
+    line = parse_line(json.dumps({
+        "custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"messages": [{"role": "developer", "content": "Be brief."},
+                              {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                                           {"type": "text", "text": "there"}]}],
+                 "max_tokens": 7}}), 4)
+    assert line.error is None
+    assert [(m.role, m.content) for m in line.request.messages] == [("system", "Be brief."), ("user", "Hi there")]
+    assert line.request.max_tokens == 7
+
+
+def test_plain_lines_and_defaults():
+    line = parse_line('{"prompt": "x"}', 9, {"max_tokens": 4, "temperature": 0.3})
+    assert line.custom_id == "line-9" and line.request.max_tokens == 4 and line.request.temperature == 0.3
+    line = parse_line('{"custom_id": "m", "messages": [{"role": "user", "content": "q"}], "max_tokens": 2}', 2,
+                      {"max_tokens": 4})
+    assert line.custom_id == "m" and line.request.max_tokens == 2  # the line wins over defaults
+
+
+@pytest.mark.parametrize("text, needle, code", [
+    ('{"prompt": "x",', "invalid JSON", "invalid_json"),
+    ('["x"]', "expected a JSON object", "invalid_request"),
+    ('{"prompt": "x", "colour": "red"}', "colour", "invalid_request"),
+    ('{"prompt": "x", "max_tokens": 0}', "max_tokens", "invalid_request"),
+    ('{"prompt": "x", "idempotency_key": "k"}', "idempotency_key", "invalid_request"),
+    ('{"custom_id": 5, "prompt": "x"}', "custom_id", "invalid_request"),
+    ('{"url": "/v1/completions", "body": {"prompt": "x", "logprobs": 2}}', "body.logprobs", "invalid_request"),
+    ('{"url": "/v1/completions", "body": {"prompt": "x", "n": 2}}', "body.n", "invalid_request"),
+    ('{"url": "/v1/embeddings", "body": {"input": "x"}}', "url", "invalid_request"),
+    ('{"method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}}', "method", "invalid_request"),
+    ('{"url": "/v1/completions", "body": {"messages": []}}', "body.messages", "invalid_request"),
+    ('{"url": "/v1/chat/completions", "body": {"prompt": "x"}}', "body.prompt", "invalid_request"),
+    ('{"url": "/v1/completions", "body": {"prompt": "x"}, "extra": 1}', "extra", "invalid_request"),
+    ('{"url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 3, "max_completion_tokens": 4}}',
+     "max_completion_tokens", "invalid_request"),
+])
+def test_bad_lines_are_errors_naming_the_problem(text, needle, code):
+    line = parse_line(text, 3)
+    assert line.request is None and needle in line.error and line.error.startswith("line 3:")
+    assert line.code == code
+
+
+def test_idempotency_key_is_stable_and_valid():
+    req = parse_line('{"prompt": "x", "max_tokens": 3}', 1).request
+    k = idempotency_key("in.jsonl", "a", req)
+    assert k == idempotency_key("in.jsonl", "a", req.model_copy(update={"idempotency_key": "zz"}))
+    assert k != idempotency_key("in.jsonl", "b", req)
+    assert k != idempotency_key("other.jsonl", "a", req)
+    assert k != idempotency_key("in.jsonl", "a", req.model_copy(update={"max_tokens": 4}))
+    assert Client(connection=fakeredis.FakeRedis()).submit(prompt="x", idempotency_key=k)  # a valid key
+
+
+def test_read_done_repairs_a_truncated_last_line(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"custom_id": "a", "line": 1, "error": null}\n'
+                   '{"custom_id": "d", "line": 5, "error": {"code": "duplicate_custom_id", "message": "m"}}\n'
+                   '{"custom_id": "b", "li')
+    ids, dup_lines = read_done(str(out))
+    assert ids == {"a"} and dup_lines == {5}
+    assert out.read_text().endswith('"m"}}\n')  # the partial line is gone
+
+
+def test_progress_line():
+    s = BulkSummary(total=10, ok=3, failed=1, skipped=2, completion_tokens=40)
+    p = Progress(s, enabled=True)
+    p.started -= 4.0
+    line = p.line()
+    assert line.startswith("bulk 6/10 (60%) ok 3 failed 1 skipped 2 | 10.0 tok/s | ETA 0:00:04")
+
+
+def test_invalid_defaults_raise():
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        Client(connection=fakeredis.FakeRedis()).bulk("nope.jsonl", "out.jsonl", defaults={"max_tokens": 0})
+    with pytest.raises(InvalidRequest, match="prompt"):
+        Client(connection=fakeredis.FakeRedis()).bulk("nope.jsonl", "out.jsonl", defaults={"prompt": "x"})
+
+
+# ---- the run loop against fakeredis and a fake worker --------------------
+
+
+class FakeWorker(threading.Thread):
+    """Pops jobs from the kiviq queues and ends each with a done event
+    ('echo: <prompt>'), or an error event when the prompt says FAIL."""
+
+    def __init__(self, conn):
+        super().__init__(daemon=True)
+        self.conn = conn
+        self.ran: list[str] = []
+        self.stop = threading.Event()
+
+    def run(self):
+        pub = EventPublisher(self.conn)
+        keys = [f"rq:queue:{n}" for n in queue_names()]
+        while not self.stop.is_set():
+            popped = self.conn.blpop(keys, timeout=0.05)
+            if popped is None:
+                continue
+            job_id = popped[1].decode()
+            self.ran.append(job_id)
+            request = Job.fetch(job_id, connection=self.conn, serializer=JSONSerializer).args[0]
+            prompt = request.get("prompt") or request["messages"][-1]["content"]
+            seq = pub.next_seq(job_id)
+            if "FAIL" in prompt:
+                pub.publish([StreamEvent(job_id=job_id, seq=seq, type=EventType.error, error="boom")])
+                continue
+            text = f"echo: {prompt}"[: 6 + request.get("max_tokens", 256)]
+            result = GenerationResult(job_id=job_id, text=text, token_ids=[1, 2], finish_reason=FinishReason.length,
+                                      usage=Usage(prompt_tokens=3, completion_tokens=2))
+            pub.publish([StreamEvent(job_id=job_id, seq=seq, type=EventType.token, text=text, token_ids=[1, 2]),
+                         StreamEvent(job_id=job_id, seq=seq + 1, type=EventType.done,
+                                     finish_reason=FinishReason.length, result=result)])
+
+
+@pytest.fixture
+def fake_server():
+    return fakeredis.FakeServer()
+
+
+@pytest.fixture
+def fake_conn(fake_server):
+    return fakeredis.FakeRedis(server=fake_server)
+
+
+@pytest.fixture
+def fake_worker(fake_server):
+    w = FakeWorker(fakeredis.FakeRedis(server=fake_server))
+    w.start()
+    yield w
+    w.stop.set()
+    w.join(timeout=5)
+
+
+MIXED = [
+    {"custom_id": "c1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "one", "max_tokens": 4}},
+    {"custom_id": "c2", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "m", "messages": [{"role": "user", "content": "two"}], "max_completion_tokens": 4}},
+    {"prompt": "three"},
+    '{"prompt": "four", ',
+    {"custom_id": "c5", "prompt": "five", "colour": "red"},
+    {"custom_id": "c6", "prompt": "please FAIL"},
+    {"custom_id": "c1", "prompt": "duplicate of c1"},
+    {"messages": [{"role": "user", "content": "eight"}]},
+]
+
+
+def test_bulk_writes_one_line_per_input_line_fake(tmp_path, fake_conn, fake_worker):
+    src = write_jsonl(tmp_path / "in.jsonl", MIXED[:6] + [""] + MIXED[6:])  # a blank line is ignored
+    out = tmp_path / "out.jsonl"
+    summary = Client(connection=fake_conn).bulk(str(src), str(out), max_in_flight=2, defaults={"max_tokens": 6},
+                                                progress=False)
+    records = read_out(out)
+    by_line = {r["line"]: r for r in records}
+    assert sorted(by_line) == [1, 2, 3, 4, 5, 6, 8, 9] and len(records) == 8
+    assert by_line[1]["custom_id"] == "c1" and by_line[1]["response"]["body"]["text"] == "echo: one"
+    assert by_line[1]["response"]["status_code"] == 200 and by_line[1]["error"] is None
+    assert by_line[1]["response"]["body"]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert by_line[1]["response"]["body"]["finish_reason"] == "length"
+    assert by_line[2]["response"]["body"]["text"] == "echo: two"
+    assert by_line[3]["custom_id"] == "line-3" and by_line[3]["response"]["body"]["text"] == "echo: three"
+    assert by_line[4]["custom_id"] == "line-4" and by_line[4]["error"]["code"] == "invalid_json"
+    assert by_line[5]["custom_id"] == "c5" and "colour" in by_line[5]["error"]["message"]
+    assert by_line[6]["error"]["code"] == "job_failed" and "boom" in by_line[6]["error"]["message"]
+    assert by_line[8]["error"]["code"] == "duplicate_custom_id" and by_line[8]["custom_id"] == "c1"
+    assert by_line[9]["custom_id"] == "line-9" and by_line[9]["response"]["body"]["text"] == "echo: eight"
+    assert (summary.total, summary.ok, summary.failed, summary.skipped) == (8, 4, 4, 0)
+    assert summary.completion_tokens == 8
+    assert len(fake_worker.ran) == 5  # c1, c2, line-3, c6, line-9
+
+    # A rerun finds everything done: nothing is written or enqueued again.
+    again = Client(connection=fake_conn).bulk(str(src), str(out), progress=False)
+    assert (again.ok, again.failed, again.skipped) == (0, 0, 8)
+    assert read_out(out) == records and len(fake_worker.ran) == 5
+
+
+def test_rerun_reattaches_to_jobs_left_by_a_killed_run(tmp_path, fake_server, fake_conn):
+    """Jobs a previous run enqueued (still queued, or already finished) are
+    awaited, not enqueued again; done lines are skipped; a torn line is dropped."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": f"q{i}", "prompt": f"p{i}", "max_tokens": 3}
+                                             for i in range(5)])
+    client = Client(connection=fake_conn)
+    lines = [parse_line(s, i + 1) for i, s in enumerate(src.read_text().splitlines())]
+    # The "killed run": enqueued q0..q3, wrote q0's line and half of q1's.
+    for line in lines[:4]:
+        key = idempotency_key(str(src), line.custom_id, line.request)
+        client.enqueue(line.request.model_copy(update={"idempotency_key": key}))
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"id": "x", "custom_id": "q0", "line": 1, "response": {}, "error": None}) + "\n"
+                   + '{"id": "y", "custom_id": "q1", "li')
+    worker = FakeWorker(fakeredis.FakeRedis(server=fake_server))
+    worker.start()
+    try:
+        summary = client.bulk(str(src), str(out), max_in_flight=2, progress=False)
+    finally:
+        worker.stop.set()
+        worker.join(timeout=5)
+    assert [r["custom_id"] for r in read_out(out)][0] == "q0"
+    assert sorted(r["custom_id"] for r in read_out(out)) == ["q0", "q1", "q2", "q3", "q4"]
+    assert (summary.ok, summary.skipped, summary.reattached) == (4, 1, 3)  # q1..q3 re-attached
+    assert len(worker.ran) == 5 and len(set(worker.ran)) == 5  # q0..q3 from the killed run, q4: each once
+
+
+def test_queue_full_waits_instead_of_failing(tmp_path, fake_server, fake_conn, monkeypatch):
+    """With the operator's queue limit reached, bulk waits and retries (the
+    worker starts only after the first refusal), writing no error lines."""
+    import client.bulk as bulk
+    from client.client import QueueFull
+
+    monkeypatch.setattr(bulk, "QUEUE_FULL_RETRY_S", 0.05)
+    refusals = []
+    enqueue = Client.enqueue
+
+    def counting_enqueue(self, request):
+        try:
+            return enqueue(self, request)
+        except QueueFull:
+            refusals.append(request)
+            if not worker.is_alive():
+                worker.start()
+            raise
+
+    monkeypatch.setattr(Client, "enqueue", counting_enqueue)
+    fake_conn.set(max_queued_key(), 1)
+    worker = FakeWorker(fakeredis.FakeRedis(server=fake_server))
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"p{i}", "max_tokens": 2} for i in range(4)])
+    out = tmp_path / "out.jsonl"
+    try:
+        summary = Client(connection=fake_conn).bulk(str(src), str(out), progress=False)
+    finally:
+        worker.stop.set()
+        if worker.is_alive():
+            worker.join(timeout=5)
+    assert summary.ok == 4 and summary.failed == 0 and refusals
+    assert len(read_out(out)) == 4 and len(worker.ran) == 4
+
+
+def test_vanished_job_is_an_error_line(tmp_path, fake_conn, monkeypatch):
+    """A job deleted from Redis with no final event does not hang the run."""
+    import client.bulk as bulk
+
+    monkeypatch.setattr(bulk, "SWEEP_EVERY_S", 0.05)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": "gone", "prompt": "p", "max_tokens": 2}])
+    line = parse_line(src.read_text().splitlines()[0], 1)
+    job_id = job_id_for_idempotency_key(idempotency_key(str(src), "gone", line.request))
+
+    def delete_soon():
+        deadline = time.monotonic() + 5
+        while not fake_conn.exists(Job.key_for(job_id)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        fake_conn.delete(Job.key_for(job_id))
+
+    t = threading.Thread(target=delete_soon)
+    t.start()
+    summary = Client(connection=fake_conn).bulk(str(src), str(tmp_path / "out.jsonl"), progress=False)
+    t.join()
+    (record,) = read_out(tmp_path / "out.jsonl")
+    assert summary.failed == 1 and "no longer exists" in record["error"]["message"]
+
+
+# ---- end to end: real Redis, real worker --------------------------------
+
+
+def bulk_cmd(redis_url: str, src: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "client.cli", "bulk", str(src), str(out), "--redis-url", redis_url, *extra]
+
+
+def test_bulk_end_to_end(worker_process, redis_url, tmp_path):
+    mixed = [
+        {"custom_id": "c1", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "The capital of France is", "max_tokens": 4}},
+        {"custom_id": "c2", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "gpt-x", "messages": [{"role": "user", "content": "Say hi."}], "max_completion_tokens": 4}},
+        {"prompt": "One, two, three,"},
+        '{"prompt": "broken',
+        {"custom_id": "c5", "prompt": "x", "temperature": -1},
+        {"messages": [{"role": "user", "content": "Name a color."}]},
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", mixed)
+    out = tmp_path / "out.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    t0 = time.monotonic()
+    proc = subprocess.run(bulk_cmd(redis_url, src, out, "--max-tokens", "4", "--progress"), cwd=ROOT, env=env,
+                          capture_output=True, timeout=300)  # bytes: keep the progress bar's \r
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 1, stderr  # some lines failed (their errors are in OUT)
+    summary = json.loads(proc.stdout)
+    assert (summary["ok"], summary["failed"], summary["skipped"]) == (4, 2, 0)
+    assert "\rbulk 6/6 (100%) ok 4 failed 2" in stderr and "tok/s" in stderr and stderr.endswith("\n")
+    records = read_out(out)
+    ids = [r["custom_id"] for r in records]
+    assert sorted(ids) == sorted(["c1", "c2", "line-3", "line-4", "c5", "line-6"])
+    by_id = {r["custom_id"]: r for r in records}
+    assert by_id["line-4"]["error"]["code"] == "invalid_json"
+    assert "temperature" in by_id["c5"]["error"]["message"]
+    for cid in ("c1", "c2", "line-3", "line-6"):
+        body = by_id[cid]["response"]["body"]
+        assert body["usage"]["completion_tokens"] <= 4 and body["finish_reason"] in ("stop", "length")
+    # Greedy: the bulk result equals the same request submitted directly.
+    direct = Client(redis_url).submit(prompt="The capital of France is", max_tokens=4).result(timeout=300)
+    assert by_id["c1"]["response"]["body"]["text"] == direct.text
+    print(f"bulk e2e: {time.monotonic() - t0:.1f} s")
+
+
+def test_bulk_killed_and_rerun_runs_each_job_once(worker_process, redis_url, redis_conn, tmp_path):
+    n = 8
+    src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": f"k{i}", "prompt": f"Count to {i}:", "max_tokens": 4}
+                                             for i in range(n)])
+    out = tmp_path / "out.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    first = subprocess.Popen(bulk_cmd(redis_url, src, out, "--max-in-flight", "3"), cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not (out.exists() and out.read_text().count("\n") >= 1):
+        assert first.poll() is None and time.monotonic() < deadline, first.stderr.read().decode()
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    done_before = out.read_text().count("\n")
+    assert done_before < n  # killed half-way
+    enqueued_before = len(redis_conn.keys("rq:job:*"))
+
+    rerun = subprocess.run(bulk_cmd(redis_url, src, out), cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    summary = json.loads(rerun.stdout)
+    assert summary["skipped"] == done_before and summary["ok"] == n - done_before
+    # Jobs the killed run enqueued but had not written were awaited, not resubmitted.
+    assert summary["reattached"] == enqueued_before - done_before
+    records = read_out(out)
+    assert sorted(r["custom_id"] for r in records) == sorted(f"k{i}" for i in range(n))
+    assert all(r["error"] is None for r in records)
+
+    # Every job ran exactly once: n jobs finished, each with one rq result and
+    # one stream (no restart), all under the idempotency-derived ids.
+    job_ids = {r["id"] for r in records}
+    assert len(job_ids) == n and all(j.startswith(job_id_for_idempotency_key("bulk-")) for j in job_ids)
+    finished = FinishedJobRegistry(queue_name("default"), connection=redis_conn, serializer=JSONSerializer)
+    assert set(finished.get_job_ids()) == job_ids
+    assert {k.decode() for k in redis_conn.keys("rq:job:*")} == {f"rq:job:{j}" for j in job_ids}
+    for job_id in job_ids:
+        assert redis_conn.xlen(f"rq:results:{job_id}") == 1
+        events = [StreamEvent.model_validate_json(e) for e in redis_conn.lrange(replay_log(job_id), 0, -1)]
+        assert [e.type for e in events].count(EventType.done) == 1
+        assert EventType.restarted not in [e.type for e in events]
