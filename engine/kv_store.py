@@ -29,7 +29,7 @@ from kernels import (
     quantize_value_blocks,
     tokens_to_blocks,
 )
-from kernels.kivi_reference import decode_attention as decode_attend  # TODO(kernel issue): kernels.dispatch
+from kernels.dispatch import decode_attend, flush
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,25 +193,31 @@ class KiviStore:
     def append_decode(self, layer: int, seqs: list[SequenceKV], k: mx.array, v: mx.array) -> None:
         """Commit one new token per sequence: k, v [B, H_kv, D].
 
-        Tokens that do not complete a block are written with one scatter for
-        the whole batch; a sequence whose tail reaches R + G flushes a block.
+        One scatter writes every token into its tail (a tail holds at most
+        R + G - 1 tokens between steps, so there is room); the sequences whose
+        tail thereby reaches R + G flush their oldest G tokens into a new
+        block, all in one flush call (a kernel where one runs).
         """
         g, r = self.config.group_size, self.config.residual
         pool = self.pools[layer]
-        plain, flushing = [], []
-        for i, s in enumerate(seqs):
-            (plain if s.tail_lens[layer] + 1 < r + g else flushing).append(i)
-        if plain:
-            rows = mx.array(plain, dtype=mx.int32) if len(plain) < len(seqs) else None
-            slots = mx.array([seqs[i].slot for i in plain], dtype=mx.int32)
-            pos = mx.array([seqs[i].tail_lens[layer] for i in plain], dtype=mx.int32)
-            # tail[slots, :, pos]: [B', H_kv, D] (numpy rules: advanced axes first)
-            pool.tail_k[slots, :, pos] = (k if rows is None else k[rows]).astype(pool.tail_k.dtype)
-            pool.tail_v[slots, :, pos] = (v if rows is None else v[rows]).astype(pool.tail_v.dtype)
-            for i in plain:
-                seqs[i].tail_lens[layer] += 1
-        for i in flushing:
-            self.append(layer, seqs[i], k[i][:, None], v[i][:, None])
+        slots = mx.array([s.slot for s in seqs], dtype=mx.int32)
+        pos = mx.array([s.tail_lens[layer] for s in seqs], dtype=mx.int32)
+        # tail[slots, :, pos]: [B, H_kv, D] (numpy rules: advanced axes first)
+        pool.tail_k[slots, :, pos] = k.astype(pool.tail_k.dtype)
+        pool.tail_v[slots, :, pos] = v.astype(pool.tail_v.dtype)
+        full = []
+        for s in seqs:
+            s.tail_lens[layer] += 1
+            if s.tail_lens[layer] == r + g:
+                full.append(s)
+        if not full:
+            return
+        ids = [self._block_for(s, s.blocks_used[layer]) for s in full]
+        flush(pool, mx.array([s.slot for s in full], dtype=mx.int32), mx.array(ids, dtype=mx.int32),
+              mx.array([r + g] * len(full), dtype=mx.int32), bits=self.config.bits, group_size=g)
+        for s in full:
+            s.tail_lens[layer] -= g
+            s.blocks_used[layer] += 1
 
     # ---- reads -----------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""KIVI kernels: storage layout, plain-ops reference, and (later) GPU kernels."""
+"""KIVI kernels: storage layout, plain-ops reference, CUDA/Metal kernels, dispatch."""
 
+from kernels.dispatch import decode_attend, flush, kernel_available
 from kernels.kivi_quant import (
     blocks_to_tokens,
     dequantize_key_blocks,
@@ -18,11 +19,14 @@ __all__ = [
     "allocate_pool",
     "blocks_to_tokens",
     "check_layout",
+    "decode_attend",
     "decode_attention",
     "decode_attention_dense",
     "dequantize_key_blocks",
     "dequantize_value_blocks",
+    "flush",
     "flush_tails",
+    "kernel_available",
     "pack",
     "quantize_key_blocks",
     "quantize_value_blocks",

@@ -33,6 +33,12 @@ to one FMA (NVRTC default -fmad=true; the reference rounds twice: ~1 float32 ulp
 x_hat), the softmax runs in base 2 with log2(e) folded into the query scale, and sums
 run in another order. Outputs agree to about 1e-6 relative before the final cast.
 
+Performance (H200, docs/benchmarks_kernel.md): correct everywhere, but bound by
+instructions and latency rather than bytes (2-bit runs as long as 4-bit): ~0.9x MLX's
+fp16 SDPA at B=32, S=8k and 15-30 % of copy bandwidth; 3-27x faster than
+dequantize-then-SDPA. The float32 CUDA-core math (exact dequantization, ~16
+instructions per element pair) is the limit; tensor cores would need fp16 K/V tiles.
+
 Flush: `kivi_flush_quantize` quantizes the oldest G tail tokens of every flushing slot
 in one launch (one thread per key channel AND per value group: both number
 F * H_kv * D), bit-exact to `kernels.kivi_quant`: float32 subtract, correctly rounded
@@ -229,6 +235,7 @@ ATTEND_SOURCE = r"""
   constexpr int STEP = SB * G;       // tokens per warp step (256)
   constexpr int LR = D / 8;          // V phase: lanes per token row (8 channels each)
   constexpr int TPI = 32 / LR;       // V phase: tokens per iteration
+  constexpr int VU = (G / TPI < 8) ? G / TPI : 8;  // V phase: tokens loaded together
 
   __shared__ __align__(16) float qs[D * REP];         // [D][REP] q * scale * log2(e)
   __shared__ __align__(16) float ps[NW * REP * STEP];  // per warp: [REP][STEP] p
@@ -290,20 +297,28 @@ ATTEND_SOURCE = r"""
         const uint8_t* kc = k_codes + tile * (D * KROW) + seg * BITS;
         const SD* ksp = k_scales + tile * D;
         const SD* kzp = k_zeros + tile * D;
-#pragma unroll 4
-        for (int d = 0; d < D; ++d) {
-          uint32_t lo, hi;
-          kivi_load8<BITS>(kc + d * KROW, lo, hi);
-          const float ks = kivi_f(__ldg(ksp + d));
-          const float kz = kivi_f(__ldg(kzp + d));
-          float qd[REP];
+        // 8 channels at a time: their 8 code loads and one 16-byte load each of
+        // scales and zeros are issued together (the scale loads hit one sector per
+        // block instead of one per channel).
+#pragma unroll 1
+        for (int d0 = 0; d0 < D; d0 += 8) {
+          uint32_t lo[8], hi[8];
 #pragma unroll
-          for (int r = 0; r < REP; ++r) qd[r] = qs[d * REP + r];
+          for (int i = 0; i < 8; ++i) kivi_load8<BITS>(kc + (d0 + i) * KROW, lo[i], hi[i]);
+          float ks[8], kz[8];
+          kivi_load8f<SD>(ksp + d0, ks);
+          kivi_load8f<SD>(kzp + d0, kz);
 #pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const float x = fmaf(kivi_code<BITS>(lo, hi, j), ks, kz);
+          for (int i = 0; i < 8; ++i) {
+            float qd[REP];
 #pragma unroll
-            for (int r = 0; r < REP; ++r) s[r][j] = fmaf(qd[r], x, s[r][j]);
+            for (int r = 0; r < REP; ++r) qd[r] = qs[(d0 + i) * REP + r];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              const float x = fmaf(kivi_code<BITS>(lo[i], hi[i], j), ks[i], kz[i]);
+#pragma unroll
+              for (int r = 0; r < REP; ++r) s[r][j] = fmaf(qd[r], x, s[r][j]);
+            }
           }
         }
       }
@@ -341,20 +356,30 @@ ATTEND_SOURCE = r"""
         const SD* vsp = v_scales + tile * (G * NG) + (cc * 8) / G;
         const SD* vzp = v_zeros + tile * (G * NG) + (cc * 8) / G;
         const float* pp = pw + jj * G;
-#pragma unroll 4
-        for (int t = to; t < G; t += TPI) {
-          uint32_t lo, hi;
-          kivi_load8<BITS>(vc + t * VROW, lo, hi);
-          const float vs = kivi_f(__ldg(vsp + t * NG));
-          const float vz = kivi_f(__ldg(vzp + t * NG));
-          float pr[REP];
+        // VU tokens at a time, their loads issued together.
+#pragma unroll 1
+        for (int t0 = to; t0 < G; t0 += VU * TPI) {
+          uint32_t lo[VU], hi[VU];
+          float vs[VU], vz[VU];
 #pragma unroll
-          for (int r = 0; r < REP; ++r) pr[r] = pp[r * STEP + t];
+          for (int i = 0; i < VU; ++i) {
+            const int t = t0 + i * TPI;
+            kivi_load8<BITS>(vc + t * VROW, lo[i], hi[i]);
+            vs[i] = kivi_f(__ldg(vsp + t * NG));
+            vz[i] = kivi_f(__ldg(vzp + t * NG));
+          }
 #pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const float x = fmaf(kivi_code<BITS>(lo, hi, j), vs, vz);
+          for (int i = 0; i < VU; ++i) {
+            const int t = t0 + i * TPI;
+            float pr[REP];
 #pragma unroll
-            for (int r = 0; r < REP; ++r) acc[r][j] = fmaf(pr[r], x, acc[r][j]);
+            for (int r = 0; r < REP; ++r) pr[r] = pp[r * STEP + t];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              const float x = fmaf(kivi_code<BITS>(lo[i], hi[i], j), vs[i], vz[i]);
+#pragma unroll
+              for (int r = 0; r < REP; ++r) acc[r][j] = fmaf(pr[r], x, acc[r][j]);
+            }
           }
         }
       }
@@ -560,6 +585,21 @@ ATTEND_KERNEL, MERGE_KERNEL, FLUSH_KERNEL = _build()
 # ----------------------------------------------------------------------------------
 # Host side, shared with the Metal backend (kernels.kivi_metal).
 
+_CONSTS: dict = {}
+
+
+def _const(values: tuple, dtype) -> mx.array:
+    """A small constant array, made once per value: no per-call host array (an extra
+    graph node and upload per call, measured as launch overhead)."""
+    key = (str(dtype), values)
+    a = _CONSTS.get(key)
+    if a is None:
+        if len(_CONSTS) >= 1024:
+            _CONSTS.clear()
+        a = _CONSTS[key] = mx.array(list(values), dtype=dtype)
+        mx.eval(a)
+    return a
+
 def attend_launch(q, pool, block_tables, num_blocks, slots, tail_lens, *, scale, bits,
                   group_size, warps=WARPS, sms=None):
     """Everything a split+merge launch needs, from shapes and small int arrays.
@@ -579,8 +619,8 @@ def attend_launch(q, pool, block_tables, num_blocks, slots, tail_lens, *, scale,
     if mb == 0:  # no quantized blocks anywhere: a dummy column, never read
         block_tables = mx.zeros((b, 1), dtype=mx.int32)
     i32 = lambda a: a if a.dtype == mx.int32 else a.astype(mx.int32)  # noqa: E731
-    params = mx.array([max(mb, 1), bps, nsplit, rg], dtype=mx.int32)
-    qscale = mx.array([float(scale) * LOG2E], dtype=mx.float32)
+    params = _const((max(mb, 1), bps, nsplit, rg), mx.int32)
+    qscale = _const((float(scale) * LOG2E,), mx.float32)
     nsu = nsplit + 1
     attend = dict(
         inputs=[q, *pool, i32(block_tables), i32(num_blocks), i32(slots), i32(tail_lens),
@@ -702,7 +742,7 @@ def flush_launch(pool: KiviPool, rows_k, *, bits, group_size):
         output_shapes=[(f, h_kv, d, g // p), (f, h_kv, d), (f, h_kv, d),
                        (f, h_kv, g, d // p), (f, h_kv, g, d // g), (f, h_kv, g, d // g)],
         output_dtypes=[mx.uint8, sd, sd, mx.uint8, sd, sd],
-    ), [("SD", sd), ("D", d), ("G", g), ("BITS", bits)], mx.array([rg], dtype=mx.int32)
+    ), [("SD", sd), ("D", d), ("G", g), ("BITS", bits)], _const((rg,), mx.int32)
 
 
 def kivi_flush(
@@ -733,11 +773,6 @@ def kivi_flush(
     launch, template, params = flush_launch(pool, rows_k, bits=bits, group_size=group_size)
     quantized = FLUSH_KERNEL(inputs=[rows_k, rows_v, params], template=template, **launch)
     return flush_apply(pool, slots, ids, rows_k, rows_v, quantized, group_size)
-
-
-def kernel_objects() -> tuple:
-    """The kernel objects (identity is stable for the process: built once at import)."""
-    return ATTEND_KERNEL, MERGE_KERNEL, FLUSH_KERNEL
 
 
 __all__ = ["kivi_decode_attend", "kivi_flush", "split_plan", "supports"]

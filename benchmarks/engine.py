@@ -1,0 +1,185 @@
+"""Engine throughput: kiviq (KIVI 4/2-bit, continuous batching) vs mlx-lm's
+BatchGenerator (fp16 cache) vs mlx-lm stream_generate (one request).
+
+Random weights of a realistic shape (timing does not depend on weight
+values). Greedy decoding; every arm gets the same prompts. Before timing,
+the arms' tokens are compared and the agreement is printed: KIVI is lossy,
+so kiviq is compared with its own fp16 serial engine on the first prompt
+and with BatchGenerator on all (first-divergence index).
+
+    python benchmarks/engine.py --shape qwen3-4b --batch 1 32 --context 512 4096 --gen 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+from mlx_lm.generate import BatchGenerator, generate_step  # noqa: E402
+from mlx_lm.utils import _get_classes  # noqa: E402
+
+from engine import Request, build_engine  # noqa: E402
+
+SHAPES = {
+    "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                     vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=40960,
+                     tie_word_embeddings=True),
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
+                         num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=49152,
+                         rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True),
+}
+
+
+class NullDetokenizer:
+    """Random weights have no text: the engines only need token ids."""
+
+    last_segment = ""
+
+    def add_token(self, token):
+        pass
+
+    def finalize(self):
+        pass
+
+
+class IdTokenizer:
+    eos_token_ids: set = set()
+
+    @property
+    def detokenizer(self):
+        return NullDetokenizer()
+
+
+def random_model(shape: str, dtype, quantize: int | None):
+    model_cls, args_cls = _get_classes(SHAPES[shape])
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(SHAPES[shape]))
+    model.set_dtype(dtype)
+    if quantize:
+        nn.quantize(model, group_size=64, bits=quantize)
+    mx.eval(model.parameters())
+    return model
+
+
+def run_kiviq(model, prompts, gen, bits):
+    engine = build_engine(model, IdTokenizer(), kv_bits=bits, max_sequences=len(prompts),
+                          kv_memory=64 << 30, max_batch_tokens=8192)
+    out = {i: [] for i in range(len(prompts))}
+    mx.synchronize()
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add(Request(str(i), p, gen))
+    first_all = None
+    while engine.has_work():
+        for ev in engine.step():
+            out[int(ev.request_id)] += ev.token_ids
+        if first_all is None and all(out.values()):
+            mx.synchronize()
+            first_all = time.perf_counter()
+    mx.synchronize()
+    t1 = time.perf_counter()
+    decode_tokens = sum(len(v) - 1 for v in out.values())
+    return out, first_all - t0, decode_tokens / (t1 - first_all), mx.get_peak_memory()
+
+
+def run_batchgen(model, prompts, gen):
+    bg = BatchGenerator(model, max_tokens=gen, completion_batch_size=len(prompts),
+                        prefill_batch_size=min(8, len(prompts)))
+    mx.synchronize()
+    t0 = time.perf_counter()
+    uids = bg.insert(prompts, max_tokens=[gen] * len(prompts))
+    index = {u: i for i, u in enumerate(uids)}
+    out = {i: [] for i in range(len(prompts))}
+    first_all = None
+    done = set()
+    while len(done) < len(prompts):
+        for r in bg.next_generated():
+            out[index[r.uid]].append(r.token)
+            if r.finish_reason is not None:
+                done.add(r.uid)
+        if first_all is None and all(out.values()):
+            mx.synchronize()
+            first_all = time.perf_counter()
+    mx.synchronize()
+    t1 = time.perf_counter()
+    bg.close()
+    decode_tokens = sum(len(v) - 1 for v in out.values())
+    return out, first_all - t0, decode_tokens / (t1 - first_all), mx.get_peak_memory()
+
+
+def run_single(model, prompt, gen):
+    mx.synchronize()
+    t0 = time.perf_counter()
+    toks, first = [], None
+    # stream_generate's token loop, minus the detokenizer random weights lack.
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=gen):
+        toks.append(int(token))
+        if first is None:
+            first = time.perf_counter()
+    mx.synchronize()
+    t1 = time.perf_counter()
+    return {0: toks}, first - t0, (len(toks) - 1) / (t1 - first), mx.get_peak_memory()
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-4b", choices=sorted(SHAPES))
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--quantize", type=int, default=None, help="quantize weights to this many bits")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--context", type=int, nargs="+", default=[512, 4096])
+    p.add_argument("--gen", type=int, default=64)
+    p.add_argument("--bits", type=int, nargs="+", default=[4, 2])
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args()
+    if not mx.metal.is_available() and not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        print("note: no GPU backend; CPU numbers are not the target of this benchmark", file=sys.stderr)
+    model = random_model(args.shape, getattr(mx, args.dtype), args.quantize)
+    print(f"# {args.shape} random weights, {args.dtype}, weights {args.quantize or 'unquantized'}; "
+          f"greedy, {args.gen} new tokens; repeats {args.repeats} (min/median/max of decode tok/s)")
+    print("| B | context | arm | decode tok/s (min/med/max) | TTFT all s (med) | peak GB | agreement vs batchgen |")
+    print("|---|---|---|---|---|---|---|")
+    vocab = SHAPES[args.shape]["vocab_size"]
+    for b in args.batch:
+        for ctx in args.context:
+            arms = [("batchgen", lambda ps: run_batchgen(model, ps, args.gen))]
+            arms += [(f"kiviq-{k}bit", (lambda k: lambda ps: run_kiviq(model, ps, args.gen, k))(k)) for k in args.bits]
+            if b == 1:
+                arms.append(("mlx-lm single", lambda ps: run_single(model, ps[0], args.gen)))
+            results = {name: [] for name, _ in arms}
+            tokens = {}
+            for rep in range(args.repeats):  # arms interleaved, fresh prompts each repeat
+                key = mx.random.key(1000 * rep + b * 7 + ctx)
+                prompts = mx.random.randint(0, vocab, (b, ctx), key=key).tolist()
+                for name, fn in arms:
+                    mx.reset_peak_memory()
+                    out, ttft, tps, peak = fn(prompts)
+                    results[name].append((tps, ttft, peak))
+                    tokens.setdefault(name, out)
+                    mx.clear_cache()
+            ref = tokens["batchgen"]
+            for name, _ in arms:
+                tps = sorted(r[0] for r in results[name])
+                ttft = sorted(r[1] for r in results[name])[len(results[name]) // 2]
+                peak = max(r[2] for r in results[name]) / 1e9
+                agree = sum(first_divergence(tokens[name][i], ref[i]) for i in ref) / len(ref)
+                print(f"| {b} | {ctx} | {name} | {tps[0]:.0f} / {tps[len(tps) // 2]:.0f} / {tps[-1]:.0f} | "
+                      f"{ttft:.2f} | {peak:.1f} | mean first divergence {agree:.1f} of {args.gen} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

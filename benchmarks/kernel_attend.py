@@ -1,0 +1,328 @@
+"""Benchmark: KIVI decode-attention kernel vs fp16 SDPA vs dequantize-then-SDPA.
+
+Shapes: H_q = 32, H_kv = 8, D = 128 (Qwen3-4B-like), G = 32, R = 128; every sequence
+of a batch has S tokens (S - R rounded to blocks are quantized, the rest in the
+tail); blocks are scattered over the pool by a random permutation (paged).
+
+Per shape:
+  1. outputs are checked first: the kernel against the float32 reference on two
+     sequences (tolerance as in tests/test_kernels_gpu.py) and against
+     dequantize-then-SDPA on the whole batch;
+  2. timing: variants interleaved A/B/C/A/B/C..., each timed block runs n calls over
+     a rotating set of >= 3 distinct inputs (more for small shapes, so the set is
+     larger than the 50 MB L2), `mx.synchronize()` at both edges, `mx.async_eval`
+     per call (no blocking eval inside); min / median / max of the per-call time;
+  3. effective bandwidth = bytes the kernel must read (codes, scales, zeros of the
+     real blocks, the real tail rows, q) / median time, against an elementwise device
+     copy measured in the same run (read + write bytes / time).
+Noise floor: the spread (max - min) / median of the unchanged fp16 SDPA baseline.
+
+Run (GPU): MLX_ENABLE_TF32=0 python benchmarks/kernel_attend.py --out DIR
+  (full grid: B in {1, 8, 32, 64} x S in {1k, 4k, 16k, 32k} x bits {4, 2}, plus
+  B=32 S=8k and B=64 S=16k); `--shapes 32:8192 1:32768` for a subset, `--probe` to
+  split per-call time into host graph building and GPU evaluation. Results and the
+  measured targets: docs/benchmarks_kernel.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernels import dispatch  # noqa: E402
+from kernels.kivi_quant import dequantize_key_blocks, dequantize_value_blocks  # noqa: E402
+from kernels.kivi_reference import decode_attention  # noqa: E402
+from kernels.layout import KiviPool  # noqa: E402
+
+H_Q, H_KV, D, G, R = 32, 8, 128, 32, 128
+SCALE = D**-0.5
+L2_BYTES = 50 * 2**20
+
+
+def kernel_bytes(b, nblk, tail, bits):
+    """Bytes the kernel must read for one call."""
+    p = 8 // bits
+    per_block = H_KV * (D * G // p + 2 * D * 2 + G * D // p + 2 * G * (D // G) * 2)
+    return b * (nblk * per_block + tail * H_KV * D * 2 * 2 + H_Q * D * 2 + nblk * 4)
+
+
+def make_input(b, s, bits, seed):
+    """One decode-step input: q, a scattered KIVI pool, tables; and dense fp16 K/V."""
+    nblk = max(0, (s - R) // G)
+    tail = s - nblk * G
+    p = 8 // bits
+    nb_pool = b * nblk + 1
+    key = mx.random.key(seed)
+    ks = mx.random.split(key, 8)
+    lv = 2**bits - 1
+    f16 = mx.float16
+
+    def scales(shape, k):  # k, v values span [zero, zero + L * scale] ~ [-2, 2]
+        return (mx.random.uniform(0.5, 1.5, shape, key=k) * 4 / lv).astype(f16)
+
+    def zeros(shape, k):
+        return (mx.random.normal(shape, key=k) * 0.5 - 2).astype(f16)
+
+    kshape, vshape = (nb_pool, H_KV, D), (nb_pool, H_KV, G, D // G)
+    pool = KiviPool(
+        k_codes=mx.random.randint(0, 256, (nb_pool, H_KV, D, G // p), key=ks[0]).astype(mx.uint8),
+        k_scales=scales(kshape, ks[1]),
+        k_zeros=zeros(kshape, ks[2]),
+        v_codes=mx.random.randint(0, 256, (nb_pool, H_KV, G, D // p), key=ks[3]).astype(mx.uint8),
+        v_scales=scales(vshape, ks[4]),
+        v_zeros=zeros(vshape, ks[5]),
+        tail_k=mx.random.normal((b, H_KV, R + G, D), key=ks[6]).astype(f16),
+        tail_v=mx.random.normal((b, H_KV, R + G, D), key=ks[7]).astype(f16),
+    )
+    rng = np.random.default_rng(seed)
+    table = mx.array((1 + rng.permutation(b * nblk)).reshape(b, nblk).astype(np.int32))
+    q = mx.random.normal((b, H_Q, D), key=mx.random.key(seed + 1)).astype(mx.float16)
+    args = (q, pool, table, mx.full((b,), nblk, dtype=mx.int32),
+            mx.arange(b, dtype=mx.int32), mx.full((b,), tail, dtype=mx.int32))
+    dense = (mx.random.normal((b, H_KV, s, D), key=mx.random.key(seed + 2)).astype(mx.float16),
+             mx.random.normal((b, H_KV, s, D), key=mx.random.key(seed + 3)).astype(mx.float16))
+    mx.eval(args, dense)
+    return args, dense, nblk, tail
+
+
+def kernel_fn(args, bits):
+    return dispatch.decode_attend(*args, scale=SCALE, bits=bits, use_kernel=True)
+
+
+def sdpa_fn(q, k, v):
+    return mx.fast.scaled_dot_product_attention(q[:, :, None, :], k, v, scale=SCALE)
+
+
+def _deq_sdpa(q, k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros, tail_k, tail_v,
+              table, *, bits, tail):
+    """Dequantize every real block to fp16, append the tail, run fp16 SDPA."""
+    b, nblk = table.shape
+    ids = table.reshape(-1)
+    k = dequantize_key_blocks(k_codes[ids], k_scales[ids], k_zeros[ids], bits=bits,
+                              dtype=mx.float16)
+    v = dequantize_value_blocks(v_codes[ids], v_scales[ids], v_zeros[ids], bits=bits,
+                                dtype=mx.float16)
+    # [B * nblk, H_kv, G, D] -> [B, H_kv, nblk * G, D]
+    k, v = (mx.swapaxes(x.reshape(b, nblk, H_KV, G, D), 1, 2).reshape(b, H_KV, nblk * G, D)
+            for x in (k, v))
+    k = mx.concatenate([k, tail_k[:, :, :tail]], axis=2)
+    v = mx.concatenate([v, tail_v[:, :, :tail]], axis=2)
+    return mx.fast.scaled_dot_product_attention(q[:, :, None, :], k, v, scale=SCALE)[:, :, 0]
+
+
+@functools.lru_cache(maxsize=None)
+def deq_sdpa_compiled(bits, tail):
+    return mx.compile(functools.partial(_deq_sdpa, bits=bits, tail=tail))
+
+
+_UNCOMPILED = []
+
+
+def deq_sdpa_fn(args, bits, tail):
+    q, pool, table = args[0], args[1], args[2]
+    if not _UNCOMPILED:
+        try:
+            return deq_sdpa_compiled(bits, tail)(q, *pool, table)
+        except Exception as e:  # keep the baseline, uncompiled, if mx.compile refuses
+            print(f"mx.compile failed for deq+SDPA ({e}); running it uncompiled", flush=True)
+            _UNCOMPILED.append(True)
+    return _deq_sdpa(q, *pool, table, bits=bits, tail=tail)
+
+
+def time_variants(variants, inputs, repeats, target_s=0.004):
+    """Interleaved timing. variants: {name: fn(input)}; returns {name: [sec per call]}."""
+    n_inner = {}
+    for name, fn in variants.items():
+        mx.eval(fn(inputs[0]))  # warm (compile)
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(fn(inputs[1 % len(inputs)]))
+        mx.synchronize()
+        est = time.perf_counter() - t0
+        n_inner[name] = int(min(50, max(3, target_s / max(est, 1e-6))))
+    out = {name: [] for name in variants}
+    k = 0
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            n = n_inner[name]
+            mx.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                mx.async_eval(fn(inputs[k % len(inputs)]))
+                k += 1
+            mx.synchronize()
+            out[name].append((time.perf_counter() - t0) / n)
+    return out
+
+
+def copy_bandwidth(repeats):
+    n = 2**29  # 1 GiB of fp16 per array
+    xs = [mx.random.normal((n,), key=mx.random.key(i)).astype(mx.float16) for i in range(3)]
+    mx.eval(xs)
+    t = time_variants({"copy": lambda x: x + 1}, xs, repeats, target_s=0.01)["copy"]
+    del xs
+    mx.clear_cache()
+    return 2 * n * 2 / float(np.median(t)), t
+
+
+def check(args, dense_out, bits):
+    """Max errors of the kernel vs the float32 reference (2 sequences) and vs deq+SDPA."""
+    out = kernel_fn(args, bits)
+    q, pool, table, nb, slots, tl = args
+    sub = (q[:2].astype(mx.float32), pool, table[:2], nb[:2], slots[:2], tl[:2])
+    ref = decode_attention(*sub, scale=SCALE, bits=bits)
+    o = np.array(out.astype(mx.float32))
+    r = np.array(ref)
+    rowmax = np.abs(r).max(axis=-1, keepdims=True)
+    err_ref = np.abs(o[:2] - r)
+    ok_ref = bool(np.all(err_ref <= 2.0**-10 * np.abs(r) + 1e-4 * rowmax))
+    dq = np.array(dense_out.astype(mx.float32))
+    err_dq = float(np.abs(o - dq).max())
+    # deq+SDPA rounds K/V to fp16 and runs fp16 SDPA: ~1e-3 absolute differences.
+    ok_dq = bool(np.allclose(o, dq, atol=2e-2, rtol=2e-2))
+    return ok_ref and ok_dq, float(err_ref.max()), err_dq
+
+
+def probe(bits, n=50):
+    """Where per-call time goes: Python/MLX graph building vs evaluation."""
+    for b, s in ((1, 1024), (32, 8192)):
+        made = [make_input(b, s, bits, seed=7 + i) for i in range(3)]
+        for name, fn in (("kernel", lambda m: kernel_fn(m[0], bits)),
+                         ("sdpa", lambda m: sdpa_fn(m[0][0], *m[1]))):
+            mx.eval(fn(made[0]))
+            mx.synchronize()
+            t0 = time.perf_counter()
+            outs = [fn(made[k % 3]) for k in range(n)]
+            t1 = time.perf_counter()
+            mx.eval(outs)
+            mx.synchronize()
+            t2 = time.perf_counter()
+            print(f"probe B={b} S={s} {name}: build {1e6 * (t1 - t0) / n:.0f} us/call, "
+                  f"one eval of {n} calls {1e6 * (t2 - t1) / n:.0f} us/call", flush=True)
+        del made
+        mx.clear_cache()
+
+
+def fmt_ms(ts):
+    a = np.array(ts) * 1e3
+    return f"{a.min():.3f} / {np.median(a):.3f} / {a.max():.3f}"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32, 64])
+    ap.add_argument("--seqs", type=int, nargs="*", default=[1024, 4096, 16384, 32768])
+    ap.add_argument("--bits", type=int, nargs="*", default=[4, 2])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--max-fp16-gb", type=float, default=60.0)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--no-deq", action="store_true", help="skip dequantize-then-SDPA")
+    ap.add_argument("--shapes", nargs="*", default=None,
+                    help="B:S pairs to run instead of the grid, e.g. 32:8192 1:32768")
+    ap.add_argument("--probe", action="store_true",
+                    help="also time host-side graph building vs GPU (launch overhead)")
+    a = ap.parse_args()
+    if not dispatch.kernel_available():
+        sys.exit("no KIVI kernel backend here (needs MLX CUDA or Metal)")
+    print(f"mlx {mx.__version__}, device {mx.device_info().get('device_name', '?')}, "
+          f"backend {dispatch.backend()}, TF32 env {os.environ.get('MLX_ENABLE_TF32')}",
+          flush=True)
+    copy_bw, copy_t = copy_bandwidth(a.repeats)
+    print(f"device copy: {copy_bw / 1e12:.2f} TB/s (per-call ms {fmt_ms(copy_t)})", flush=True)
+    # The issue's reference points first, then the grid.
+    shapes = [(32, 8192), (64, 16384), (1, 32768)]
+    shapes += [(b, s) for b in a.batches for s in a.seqs if (b, s) not in shapes]
+    if a.shapes:
+        shapes = [tuple(int(v) for v in x.split(":")) for x in a.shapes]
+    if a.probe:
+        probe(4)
+    header = ("| B | S | bits | kernel ms min/med/max | eff. GB/s | % copy | fp16 SDPA ms med "
+              "| x SDPA | deq+SDPA ms med | x deq | check (err ref / err deq) | SDPA spread |")
+    rows = [header, "|" + "---|" * 12]
+    path = os.path.join(a.out, "kernel_attend.md")
+    results = []
+    print(header, flush=True)
+    for b, s in shapes:
+        fp16_gb = b * H_KV * s * D * 2 * 2 / 1e9
+        if fp16_gb > a.max_fp16_gb:
+            continue
+        for bits in a.bits:
+            # Enough distinct inputs that one pass over them exceeds the L2 twice.
+            kb = kernel_bytes(b, max(0, (s - R) // G), s - max(0, (s - R) // G) * G, bits)
+            n_inputs = int(min(64, max(3, math.ceil(2 * L2_BYTES / kb))))
+            n_inputs = max(3, min(n_inputs, int(40 / fp16_gb)))  # dense copies <= ~40 GB
+            made = [make_input(b, s, bits, seed=100 * i + bits) for i in range(n_inputs)]
+            nblk, tail = made[0][2], made[0][3]
+            variants = {
+                "kernel": lambda x, bits=bits: kernel_fn(x[0], bits),
+                "sdpa": lambda x: sdpa_fn(x[0][0], *x[1]),
+            }
+            if not a.no_deq:
+                variants["deq"] = lambda x, bits=bits, tail=tail: deq_sdpa_fn(x[0], bits, tail)
+            inputs = [(m[0], m[1]) for m in made]
+            dq_out = deq_sdpa_fn(inputs[0][0], bits, tail)
+            ok, e_ref, e_dq = check(inputs[0][0], dq_out, bits)
+            t = time_variants(variants, inputs, a.repeats)
+            med = {k: float(np.median(v)) for k, v in t.items()}
+            nbytes = kernel_bytes(b, nblk, tail, bits)
+            bw = nbytes / med["kernel"]
+            spread = (max(t["sdpa"]) - min(t["sdpa"])) / med["sdpa"]
+            deq = f"{med['deq'] * 1e3:.3f}" if "deq" in med else "-"
+            xdeq = f"{med['deq'] / med['kernel']:.2f}" if "deq" in med else "-"
+            row = (f"| {b} | {s} | {bits} | {fmt_ms(t['kernel'])} | {bw / 1e9:.0f} | "
+                   f"{100 * bw / copy_bw:.0f}% | {med['sdpa'] * 1e3:.3f} | "
+                   f"{med['sdpa'] / med['kernel']:.2f} | {deq} | {xdeq} | "
+                   f"{'ok' if ok else 'FAIL'} ({e_ref:.1e} / {e_dq:.1e}) | {100 * spread:.1f}% |")
+            rows.append(row)
+            results.append(dict(b=b, s=s, bits=bits, pct=bw / copy_bw, ok=ok,
+                                x_sdpa=med["sdpa"] / med["kernel"],
+                                x_deq=(med["deq"] / med["kernel"]) if "deq" in med else None))
+            print(row, flush=True)
+            with open(path, "w") as f:
+                f.write(f"device copy bandwidth: {copy_bw / 1e12:.2f} TB/s\n\n")
+                f.write("\n".join(rows) + "\n")
+            del made, inputs, variants, dq_out
+            mx.clear_cache()
+    lines = targets(results)
+    print("\n".join(lines))
+    with open(path, "a") as f:
+        f.write("\n" + "\n".join(lines) + "\n")
+    print(f"wrote {path}")
+
+
+def targets(results):
+    """The issue's targets, each with the measured value."""
+    out = ["Targets:"]
+    for r in results:
+        if r["b"] * r["s"] >= 128 * 1024:
+            out.append(f"- >=70% of copy BW at B={r['b']} S={r['s']} {r['bits']}-bit: "
+                       f"{100 * r['pct']:.0f}% {'MET' if r['pct'] >= 0.7 else 'MISSED'}")
+    goals = {(32, 8192, 4): 3.0, (32, 8192, 2): 4.5, (64, 16384, 4): 2.5, (1, 32768, 4): 1.0,
+             (1, 32768, 2): 1.0}
+    for r in results:
+        g = goals.get((r["b"], r["s"], r["bits"]))
+        if g is not None:
+            met = r["x_sdpa"] > g if g == 1.0 else r["x_sdpa"] >= g
+            out.append(f"- B={r['b']} S={r['s']} {r['bits']}-bit vs fp16 SDPA: "
+                       f"{r['x_sdpa']:.2f}x (goal {'>' if g == 1.0 else '>='}{g}x) "
+                       f"{'MET' if met else 'MISSED'}")
+    slower = [r for r in results if r["x_deq"] is not None and r["x_deq"] < 1.0]
+    where = [(r["b"], r["s"], r["bits"]) for r in slower]
+    out.append(f"- never slower than dequantize-then-SDPA: "
+               f"{'MET' if not slower else f'MISSED at {where}'}")
+    out.append(f"- all outputs checked before timing: "
+               f"{'ok' if all(r['ok'] for r in results) else 'FAILURES'}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

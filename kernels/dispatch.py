@@ -1,0 +1,127 @@
+"""Kernel or reference: one entry point per operation.
+
+`decode_attend` and `flush` run the CUDA kernels (`kernels.kivi_cuda`) where MLX has
+a CUDA backend, the Metal kernels (`kernels.kivi_metal`) on Apple silicon, and the
+plain-ops reference (`kernels.kivi_reference`) everywhere else: on CPU, for shapes the
+kernels do not cover, and whenever it is forced for an A/B run, by
+`KIVIQ_KERNELS=reference` in the environment or `use_kernel=False`.
+`use_kernel=True` demands a kernel and raises where none can run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from kernels import kivi_cuda, kivi_metal
+from kernels.kivi_reference import decode_attention, flush_tails
+from kernels.layout import KiviPool
+
+ENV = "KIVIQ_KERNELS"  # "reference" forces the reference; "auto" (default) picks
+
+
+def _backend_module():
+    if kivi_cuda.ATTEND_KERNEL is not None:
+        return kivi_cuda
+    if kivi_metal.ATTEND_KERNEL is not None:
+        return kivi_metal
+    return None
+
+
+def kernel_available() -> bool:
+    """True where a KIVI kernel backend (CUDA or Metal) is built on this machine."""
+    return _backend_module() is not None
+
+
+def backend(use_kernel: bool | None = None) -> str:
+    """Which implementation a call would use: "cuda", "metal" or "reference".
+
+    Shape support is checked per call on top of this (see `decode_attend`).
+    """
+    mod = _backend_module()
+    if use_kernel is False:
+        return "reference"
+    if use_kernel is None and os.environ.get(ENV, "auto").lower() == "reference":
+        return "reference"
+    if mod is None or mx.default_device() != mx.gpu:
+        if use_kernel:
+            raise RuntimeError(
+                "use_kernel=True, but no KIVI kernel can run here: needs MLX's CUDA "
+                "backend (Linux + NVIDIA) or Metal (Apple silicon) and a GPU default device"
+            )
+        return "reference"
+    return "cuda" if mod is kivi_cuda else "metal"
+
+
+def _module(name: str):
+    return {"cuda": kivi_cuda, "metal": kivi_metal}.get(name)
+
+
+def decode_attend(
+    q: mx.array,
+    pool: KiviPool,
+    block_tables: mx.array,
+    num_blocks: mx.array,
+    slots: mx.array,
+    tail_lens: mx.array,
+    *,
+    scale: float,
+    bits: int,
+    group_size: int = 32,
+    use_kernel: bool | None = None,
+) -> mx.array:
+    """Decode attention over the KIVI pool (contract: `kivi_reference.decode_attention`).
+
+    Args:
+        q, pool, block_tables, num_blocks, slots, tail_lens, scale, bits, group_size:
+            as in `kernels.kivi_reference.decode_attention`.
+        use_kernel: None picks (kernel where it runs and supports the shape, unless
+            KIVIQ_KERNELS=reference); True requires the kernel; False the reference.
+
+    Returns:
+        [B, H_q, D] in q's dtype.
+    """
+    mod = _module(backend(use_kernel))
+    if mod is not None:
+        reason = mod.supports(q.shape, q.dtype, pool, bits, group_size)
+        if reason is None:
+            return mod.kivi_decode_attend(q, pool, block_tables, num_blocks, slots,
+                                          tail_lens, scale=scale, bits=bits,
+                                          group_size=group_size)
+        if use_kernel:
+            raise ValueError(f"use_kernel=True, but the kernel does not support {reason}")
+    return decode_attention(q, pool, block_tables, num_blocks, slots, tail_lens,
+                            scale=scale, bits=bits, group_size=group_size)
+
+
+def flush(
+    pool: KiviPool,
+    slots: mx.array,
+    new_block_ids: mx.array,
+    tail_lens: mx.array,
+    *,
+    bits: int,
+    group_size: int = 32,
+    use_kernel: bool | None = None,
+) -> KiviPool:
+    """Quantize the oldest G tail tokens of some slots into blocks and shift the tails.
+
+    Contract: `kernels.kivi_reference.flush_tails` (bit-identical pool contents).
+    `use_kernel` as in `decode_attend`.
+
+    Returns:
+        The same pool object, updated in place.
+    """
+    mod = _module(backend(use_kernel))
+    d = pool.k_codes.shape[2]
+    if mod is not None and d in mod.HEAD_DIMS and pool.k_scales.dtype in mod.POOL_DTYPES:
+        return mod.kivi_flush(pool, slots, new_block_ids, tail_lens, bits=bits,
+                              group_size=group_size)
+    if use_kernel and mod is not None:
+        raise ValueError(f"use_kernel=True, but the flush kernel does not support D={d}")
+    return flush_tails(pool, slots, new_block_ids, tail_lens, bits=bits,
+                       group_size=group_size)
+
+
+__all__ = ["backend", "decode_attend", "flush", "kernel_available"]

@@ -1,0 +1,77 @@
+"""The batching engine with the fused KIVI kernel on a GPU (marker gpu).
+
+Model: SmolLM2-135M-Instruct from ``$KIVIQ_GPU_MODEL`` (a converted MLX
+directory carried to the GPU machine) or, where that is unset, the default
+model. Skipped where no KIVI kernel backend runs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kernels import dispatch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not dispatch.kernel_available(),
+                       reason="needs MLX's CUDA backend (Linux + NVIDIA) or Metal (Apple silicon); "
+                              "this machine has neither"),
+]
+
+PROSE = (Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "kjv_prose.txt").read_text()
+PROSE = "\n".join(line for line in PROSE.splitlines() if not line.startswith("#"))
+
+
+@pytest.fixture(scope="module")
+def gpu_model():
+    from engine import load
+
+    return load(os.environ.get("KIVIQ_GPU_MODEL"))
+
+
+def generate(model, tok, requests, *, bits, join_every=0):
+    from engine import build_engine
+
+    engine = build_engine(model, tok, kv_bits=bits, kv_memory=2 << 30, max_sequences=16)
+    out = {r.request_id: [] for r in requests}
+    pending, step = list(requests), 0
+    while pending or engine.has_work():
+        while pending and (join_every == 0 or step % join_every == 0):
+            engine.add(pending.pop(0))
+            if join_every:
+                break
+        for ev in engine.step():
+            assert ev.finish_reason != "error", ev.error
+            out[ev.request_id] += ev.token_ids
+        step += 1
+    assert engine.kv_store.used_bytes() == 0
+    return out
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_greedy_128_tokens_kernel_equals_reference(gpu_model, monkeypatch, bits):
+    from engine import Request
+
+    model, tok = gpu_model
+    prompt = tok.encode(PROSE)[:600]  # 600 + 128 tokens: blocks flush during decode too
+    assert dispatch.backend() in ("cuda", "metal")
+    kernel = generate(model, tok, [Request("k", prompt, 128)], bits=bits)["k"]
+    monkeypatch.setenv(dispatch.ENV, "reference")
+    assert dispatch.backend() == "reference"
+    reference = generate(model, tok, [Request("k", prompt, 128)], bits=bits)["k"]
+    assert len(kernel) == 128
+    assert kernel == reference
+
+
+def test_batch_equals_single_with_kernel(gpu_model):
+    from engine import Request
+
+    model, tok = gpu_model
+    ids = tok.encode(PROSE)
+    reqs = lambda: [Request(f"r{i}", ids[i * 97: i * 97 + 200 + 150 * i], 8 + 4 * i) for i in range(8)]
+    batched = generate(model, tok, reqs(), bits=4, join_every=3)
+    for r in reqs():
+        assert batched[r.request_id] == generate(model, tok, [r], bits=4)[r.request_id], r.request_id

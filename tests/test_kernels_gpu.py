@@ -1,0 +1,408 @@
+"""KIVI kernels (CUDA / Metal) against the plain-ops reference.
+
+The GPU tests skip where MLX has neither backend; the host-side checks (split plan,
+dispatch fallback) run everywhere. Run on a GPU with MLX_ENABLE_TF32=0 so the oracle
+(the reference, float32) runs at full float32 precision on the GPU; otherwise it runs
+on the CPU stream (slow for the long cases).
+
+Expected mismatches (why the tolerances are not zero):
+  * the kernel contracts dequantization `q * scale + zero` into one FMA (the reference
+    rounds the product first: ~1 float32 ulp of x_hat), computes the softmax in base 2
+    with log2(e) folded into the query scale, and sums tokens and splits in another
+    order (split-K, warp shuffles, log-sum-exp merge). All of it float32: the kernel
+    and the float32 oracle agree to ~1e-6 of the row's magnitude before the kernel
+    rounds to the output dtype;
+  * so the kernel's fp16/bf16 output may sit one output ulp away from the float32
+    oracle rounded (a tie broken differently): tolerance = 1 ulp of the dtype
+    (2^-10 relative for fp16, 2^-7 for bf16) + 1e-4 of the row's largest |value|.
+The flush kernel has no a*b+c and must match codes, scales and zeros bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kernels
+from kernels import dispatch, kivi_cuda
+from kernels.kivi_reference import decode_attention, flush_tails
+from kernels.layout import KiviPool, allocate_pool
+
+R = 128
+NEEDS_GPU = pytest.mark.skipif(
+    not dispatch.kernel_available(),
+    reason="needs MLX's CUDA backend (Linux+NVIDIA) or Metal (Apple silicon); this "
+    "machine has neither (the Metal kernels were written without Apple hardware and "
+    "are untested)",
+)
+gpu = [pytest.mark.gpu, NEEDS_GPU]
+OUT_TOL = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7, mx.float32: 2.0**-20}
+ERR_LOG = os.environ.get("KIVIQ_ERR_LOG")  # JSON lines of max errors, if set
+
+
+def _backend():
+    return kivi_cuda if kivi_cuda.ATTEND_KERNEL is not None else kernels.kivi_metal
+
+
+def to_np(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a)
+
+
+def split_len(n: int, g: int = 32, r: int = R) -> tuple[int, int]:
+    """A sequence of n tokens as (quantized blocks, tail length), per the flush rule."""
+    if n < r + g:
+        return 0, n
+    nb = (n - r) // g
+    return nb, n - nb * g
+
+
+def make_case(rng, *, lens, h_kv, rep, d, bits, dtype, g=32):
+    """A pool of random codes/scales holding ragged sequences in scattered blocks.
+
+    lens: list of (num_blocks, tail_len). Unused blocks (block 0 among them) have NaN
+    scales or zeros, tail rows past tail_len are NaN and table entries past num_blocks
+    are garbage (out of range too): the kernel must read none of them.
+    Returns (q, pool, block_tables, num_blocks, slots, tail_lens).
+    """
+    total, ns, p = sum(n for n, _ in lens), len(lens) + 2, 8 // bits
+    nb_pool = total + 3
+    levels = 2**bits - 1
+    # k, v values span [zero, zero + L * scale] ~ [-2, 2]: scores of a few units.
+    shapes = {
+        "k_codes": (nb_pool, h_kv, d, g // p), "v_codes": (nb_pool, h_kv, g, d // p),
+        "k_scales": (nb_pool, h_kv, d), "v_scales": (nb_pool, h_kv, g, d // g),
+    }
+    arrs = {}
+    for kind in ("k", "v"):
+        arrs[f"{kind}_codes"] = rng.integers(0, 256, size=shapes[f"{kind}_codes"], dtype=np.uint8)
+        sshape = shapes[f"{kind}_scales"]
+        sc = rng.uniform(0.5, 1.5, size=sshape) * 4.0 / levels
+        ze = rng.normal(-2.0, 0.5, size=sshape)
+        arrs[f"{kind}_scales"], arrs[f"{kind}_zeros"] = sc, ze
+    ids = 1 + rng.permutation(nb_pool - 1)[:total]
+    used = np.zeros(nb_pool, bool)
+    used[ids] = True
+    arrs["k_scales"][~used] = np.nan
+    arrs["v_zeros"][~used] = np.nan
+    tails = {n: rng.normal(size=(ns, h_kv, R + g, d)) for n in ("tail_k", "tail_v")}
+    slots = rng.permutation(ns)[: len(lens)].astype(np.int32)
+    table = rng.integers(-5, 10**6, size=(len(lens), max([n for n, _ in lens] + [0]) + 2))
+    start = 0
+    for i, (n, t) in enumerate(lens):
+        table[i, :n] = ids[start : start + n]
+        start += n
+        for a in tails.values():
+            a[slots[i], :, t:] = np.nan
+    pool = KiviPool(
+        **{k: mx.array(arrs[k]) for k in ("k_codes", "v_codes")},
+        **{k: mx.array(arrs[k].astype(np.float32)).astype(dtype)
+           for k in ("k_scales", "k_zeros", "v_scales", "v_zeros")},
+        **{k: mx.array(a.astype(np.float32)).astype(dtype) for k, a in tails.items()},
+    )
+    q = mx.array(rng.normal(size=(len(lens), h_kv * rep, d)).astype(np.float32)).astype(dtype)
+    return (q, pool, mx.array(table.astype(np.int32)),
+            mx.array([n for n, _ in lens], dtype=mx.int32), mx.array(slots),
+            mx.array([t for _, t in lens], dtype=mx.int32))
+
+
+def oracle(q, *args, **kw):
+    """The reference at float32 precision (q upcast; no TF32)."""
+    def run():
+        out = decode_attention(q.astype(mx.float32), *args, **kw)
+        mx.eval(out)
+        return out
+    if mx.default_device() == mx.gpu and os.environ.get("MLX_ENABLE_TF32", "1") != "0":
+        with mx.stream(mx.cpu):
+            return run()
+    return run()
+
+
+def check_close(out, ref, dtype, label):
+    o, r = to_np(out), to_np(ref)
+    assert o.shape == r.shape and out.dtype == dtype
+    rowmax = np.abs(r).max(axis=-1, keepdims=True)
+    err = np.abs(o - r)
+    bound = OUT_TOL[dtype] * np.abs(r) + 1e-4 * rowmax
+    if ERR_LOG:
+        with open(ERR_LOG, "a") as f:
+            f.write(json.dumps({"case": label, "dtype": str(dtype),
+                                "max_abs": float(err.max()),
+                                "max_rel_to_row": float((err / np.maximum(rowmax, 1e-30)).max()),
+                                "worst_vs_bound": float((err / np.maximum(bound, 1e-30)).max())})
+                    + "\n")
+    bad = ~(err <= bound)
+    assert not bad.any(), (
+        f"{label}: {bad.sum()} of {bad.size} outside tolerance; max err {err.max():.3g}, "
+        f"at ref {r[bad][:5]}, got {o[bad][:5]}")
+
+
+# ---- host-side checks (any machine) -------------------------------------------------
+
+def test_split_plan_fills_the_gpu_from_the_shape():
+    for b, h_kv, mb in [(1, 8, 1024), (1, 8, 4), (8, 8, 128), (32, 8, 256), (64, 8, 512),
+                        (3, 2, 1), (256, 8, 2048)]:
+        nsplit, bps = kivi_cuda.split_plan(b, h_kv, mb, 32, sms=132)
+        assert bps % 8 == 0  # whole 256-token warp steps
+        assert nsplit * bps >= mb > (nsplit - 1) * bps  # covers every block, no empty split
+        units = b * h_kv * nsplit
+        # Several waves of 4-warp blocks on 132 SMs unless the sequence is too short.
+        assert units >= 132 * 16 or nsplit == -(-mb // 8)
+    assert kivi_cuda.split_plan(4, 8, 0, 32) == (0, 8)
+    # B = 1 at 32k tokens still gets >= 1000 warps.
+    assert kivi_cuda.split_plan(1, 8, 1020, 32, sms=132)[0] * 8 >= 1000
+
+
+def test_dispatch_uses_the_reference_without_a_gpu_kernel(monkeypatch):
+    rng = np.random.default_rng(0)
+    args = make_case(rng, lens=[(2, 40), (0, 5)], h_kv=2, rep=2, d=64, bits=4,
+                     dtype=mx.float16)
+    kw = dict(scale=0.125, bits=4)
+    ref = decode_attention(*args, **kw)
+    monkeypatch.setenv(dispatch.ENV, "reference")
+    assert dispatch.backend() == "reference"
+    np.testing.assert_array_equal(to_np(dispatch.decode_attend(*args, **kw)), to_np(ref))
+    monkeypatch.delenv(dispatch.ENV)
+    if not dispatch.kernel_available():
+        assert dispatch.backend() == "reference"
+        np.testing.assert_array_equal(to_np(dispatch.decode_attend(*args, **kw)), to_np(ref))
+        with pytest.raises(RuntimeError, match="no KIVI kernel"):
+            dispatch.decode_attend(*args, **kw, use_kernel=True)
+    assert dispatch.backend(use_kernel=False) == "reference"
+
+
+def test_kernel_template_holds_no_length():
+    # Everything that grows (lengths, max blocks, split count) travels as data or in
+    # the grid: the template of a call depends on dtypes, D, G, bits and rep only.
+    rng = np.random.default_rng(1)
+    seen = set()
+    for lens in ([(0, 3)], [(5, 130)], [(300, 150), (1, 7)]):
+        q, pool, *_ = make_case(rng, lens=lens, h_kv=2, rep=4, d=128, bits=4,
+                                dtype=mx.float16)
+        t_split, t_merge = kivi_cuda.attend_templates(q[:1], pool, bits=4, group_size=32,
+                                                      rep=4)
+        seen.add((tuple(map(str, t_split)), tuple(map(str, t_merge))))
+    assert len(seen) == 1
+
+
+# ---- GPU parity ---------------------------------------------------------------------
+
+G = 32
+# Lengths in tokens: {1, G-1, G, R+G-1, 4k, 32k}, plus exactly one block with a full
+# tail and blocks with an empty tail (tail_len 0 is legal when blocks exist).
+SHORT = [1, G - 1, G, R + G - 1]
+CASES = {
+    "b1": [split_len(1)],
+    "b3": [split_len(n) for n in (G - 1, R + G - 1, 4096)],
+    "b32": ([split_len(n) for n in (SHORT + [4096, R + G]) * 5] + [(3, 0), (40, 0)]),
+}
+# (bits, dtype, D) x (H_kv, rep) pairs cycle so every rep in {1, 3, 4, 8} meets both
+# dtypes, both head dims and every bit width at least once.
+HEADS = [(4, 1), (3, 3), (8, 4), (2, 8)]
+COMBOS = [(bits, dtype, d) for bits in (2, 4, 8) for dtype in (mx.float16, mx.bfloat16)
+          for d in (64, 128)]
+PARAMS = [(*c, *HEADS[(i + i // 4) % 4]) for i, c in enumerate(COMBOS)]
+
+
+@pytest.mark.parametrize("bits,dtype,d,h_kv,rep", PARAMS,
+                         ids=[f"b{p[0]}-{p[1]}-d{p[2]}-kv{p[3]}x{p[4]}".replace("mlx.core.", "")
+                              for p in PARAMS])
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_decode_matches_reference(bits, dtype, d, h_kv, rep):
+    rng = np.random.default_rng(bits * 1000 + d + rep)
+    for name, lens in CASES.items():
+        args = make_case(rng, lens=lens, h_kv=h_kv, rep=rep, d=d, bits=bits, dtype=dtype)
+        out = _backend().kivi_decode_attend(*args, scale=d**-0.5, bits=bits)
+        ref = oracle(*args, scale=d**-0.5, bits=bits)
+        check_close(out, ref, dtype, f"{name} bits={bits} d={d} kv={h_kv} rep={rep}")
+
+
+LONG = [  # the 32k cases: few combos, so the run stays short
+    (4, mx.float16, 128, 8, 4, [split_len(32768)]),
+    (2, mx.bfloat16, 64, 2, 8, [split_len(32768), split_len(1), split_len(4096)]),
+    (8, mx.float16, 128, 3, 3, [split_len(32768)]),
+]
+
+
+@pytest.mark.parametrize("bits,dtype,d,h_kv,rep,lens", LONG,
+                         ids=["4bit-fp16-b1", "2bit-bf16-b3", "8bit-fp16-b1"])
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_decode_matches_reference_at_32k(bits, dtype, d, h_kv, rep, lens):
+    rng = np.random.default_rng(32768 + bits)
+    args = make_case(rng, lens=lens, h_kv=h_kv, rep=rep, d=d, bits=bits, dtype=dtype)
+    out = _backend().kivi_decode_attend(*args, scale=d**-0.5, bits=bits)
+    ref = oracle(*args, scale=d**-0.5, bits=bits)
+    check_close(out, ref, dtype, f"32k bits={bits} B={len(lens)}")
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_decode_edge_cases():
+    rng = np.random.default_rng(5)
+    be = _backend()
+    # float32 queries; no quantized block in the whole batch (empty table).
+    q, pool, table, nb, slots, tl = make_case(rng, lens=[(0, 7), (0, 1)], h_kv=2, rep=2,
+                                              d=64, bits=4, dtype=mx.float16)
+    for qq in (q, q.astype(mx.float32)):
+        out = be.kivi_decode_attend(qq, pool, table[:, :0], nb, slots, tl, scale=0.1, bits=4)
+        check_close(out, oracle(qq, pool, table[:, :0], nb, slots, tl, scale=0.1, bits=4),
+                    qq.dtype, f"no blocks {qq.dtype}")
+    # A sequence with no tokens at all gets zeros, its neighbours are unaffected.
+    q, pool, table, nb, slots, tl = make_case(rng, lens=[(2, 5), (0, 0), (9, 0)], h_kv=2,
+                                              rep=3, d=128, bits=2, dtype=mx.bfloat16)
+    out = be.kivi_decode_attend(q, pool, table, nb, slots, tl, scale=0.1, bits=2)
+    assert np.all(to_np(out)[1] == 0)
+    check_close(out, oracle(q, pool, table, nb, slots, tl, scale=0.1, bits=2), q.dtype,
+                "empty sequence")
+    # group sizes other than 32 (16 and 128 at D=128).
+    for g in (16, 128):
+        args = make_case(rng, lens=[(3, R + 5), (0, 9)], h_kv=2, rep=4, d=128, bits=4,
+                         dtype=mx.float16, g=g)
+        out = be.kivi_decode_attend(*args, scale=0.1, bits=4, group_size=g)
+        check_close(out, oracle(*args, scale=0.1, bits=4, group_size=g), mx.float16, f"G={g}")
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_dispatch_picks_the_kernel_and_env_forces_the_reference(monkeypatch):
+    rng = np.random.default_rng(9)
+    args = make_case(rng, lens=[(4, 130), (0, 9)], h_kv=2, rep=4, d=128, bits=4,
+                     dtype=mx.float16)
+    kw = dict(scale=0.1, bits=4)
+    assert dispatch.backend() in ("cuda", "metal")
+    np.testing.assert_array_equal(to_np(dispatch.decode_attend(*args, **kw)),
+                                  to_np(_backend().kivi_decode_attend(*args, **kw)))
+    monkeypatch.setenv(dispatch.ENV, "reference")
+    assert dispatch.backend() == "reference"
+    np.testing.assert_array_equal(to_np(dispatch.decode_attend(*args, **kw)),
+                                  to_np(decode_attention(*args, **kw)))
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_growing_lengths_do_not_recompile():
+    rng = np.random.default_rng(2)
+    be = _backend()
+    objects = (be.ATTEND_KERNEL, be.MERGE_KERNEL)
+    q, pool, table, nb, slots, tl = make_case(rng, lens=[(64, 130), (64, 140)], h_kv=8,
+                                              rep=4, d=128, bits=4, dtype=mx.float16)
+    times = []
+    for step in range(52):  # one more block per call: max_blocks and the split plan grow
+        n = 1 + step
+        t0 = time.perf_counter()
+        out = be.kivi_decode_attend(q, pool, table[:, :n], mx.minimum(nb, n), slots, tl,
+                                    scale=0.1, bits=4)
+        mx.eval(out)
+        times.append(time.perf_counter() - t0)
+    assert (be.ATTEND_KERNEL, be.MERGE_KERNEL) == objects  # built once at import
+    # An NVRTC compile of the split kernel takes >100 ms; a warm call well under 10 ms.
+    later = times[2:]
+    assert max(later) < 0.05, f"a later call took {max(later) * 1e3:.1f} ms: recompiled?"
+    plans = {kivi_cuda.split_plan(2, 8, n, 32) for n in range(1, 53)}
+    assert len(plans) > 3  # the grid really changed along the way
+
+
+# ---- flush ----------------------------------------------------------------------------
+
+def _tails(rng, shape, kind):
+    if kind == "grid":  # few distinct values: many exact ties for round-half-even
+        return rng.integers(-8, 8, size=shape) * 0.25
+    if kind == "offset":  # narrow groups far from 0: the rounding of zero matters
+        return 40.0 + rng.normal(size=shape) * 0.05
+    x = rng.normal(size=shape) * rng.choice([1e-4, 1.0, 20.0])
+    x[..., 3] = 1.5  # a constant key channel
+    x[:, :, 5, :16] = -2.0  # a constant value group (G = 16)
+    return x
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("g", [16, 32, 128])
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_flush_kernel_is_bit_exact(bits, dtype, g):
+    rng = np.random.default_rng(bits + g)
+    be = _backend()
+    for kind in ("normal", "grid", "offset"):
+        pools = []
+        for _ in range(2):
+            pool = allocate_pool(12, 6, 2, 128, bits=bits, group_size=g, residual=R,
+                                 dtype=dtype)
+            pools.append(pool)
+        x = {n: _tails(rng, pools[0].tail_k.shape, kind) for n in ("tail_k", "tail_v")}
+        for pool in pools:
+            for n, a in x.items():
+                getattr(pool, n)[...] = mx.array(a.astype(np.float32)).astype(dtype)
+            mx.eval(*pool)
+        slots, ids = mx.array([4, 0, 2]), mx.array([7, 1, 11])
+        lens = mx.array([R + g, g, R + 3])
+        be.kivi_flush(pools[0], slots, ids, lens, bits=bits, group_size=g)
+        flush_tails(pools[1], slots, ids, lens, bits=bits, group_size=g)
+        for name, a, b in zip(KiviPool._fields, pools[0], pools[1]):
+            assert np.array_equal(to_np(a), to_np(b)), f"{name} differs ({kind})"
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_flush_kernel_is_in_place():
+    pool = allocate_pool(512, 256, 8, 128, bits=4)  # tails: 2 x 80 MiB
+    mx.eval(*pool)
+    objects = [id(a) for a in pool]
+    _backend().kivi_flush(pool, mx.array([5, 9]), mx.array([100, 7]),
+                          mx.array([R + 32, 40]), bits=4)  # compile outside the measure
+    mx.eval(*pool)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    _backend().kivi_flush(pool, mx.array([6, 10]), mx.array([101, 8]),
+                          mx.array([R + 32, 40]), bits=4)
+    mx.eval(*pool)
+    assert [id(a) for a in pool] == objects
+    # One copy of a tail array would add 80 MiB.
+    assert mx.get_peak_memory() - base < 16 * 2**20
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_decode_flush_cycle_with_kernels_matches_reference():
+    """Engine-like: append a token, attend, flush at R + G; kernels vs reference pools."""
+    rng = np.random.default_rng(11)
+    g, r, bits, h_kv, rep, d = 16, 32, 4, 2, 2, 64
+    pools = [allocate_pool(40, 3, h_kv, d, bits=bits, group_size=g, residual=r)
+             for _ in range(2)]
+    tables, tail_lens, free = {0: [], 2: []}, {0: 0, 2: 0}, list(range(40))
+    order = [2, 0]
+    for _ in range(90):
+        for slot in order:
+            k, v = (mx.array(rng.normal(size=(h_kv, d)).astype(np.float16)) for _ in range(2))
+            for pool in pools:
+                pool.tail_k[slot, :, tail_lens[slot]] = k
+                pool.tail_v[slot, :, tail_lens[slot]] = v
+            tail_lens[slot] += 1
+        mb = max(len(tables[s]) for s in order)
+        table = mx.array([tables[s] + [0] * (mb - len(tables[s])) for s in order],
+                         dtype=mx.int32).reshape(2, mb)
+        q = mx.array(rng.normal(size=(2, h_kv * rep, d)).astype(np.float16))
+        args = (table, mx.array([len(tables[s]) for s in order]), mx.array(order),
+                mx.array([tail_lens[s] for s in order]))
+        out = dispatch.decode_attend(q, pools[0], *args, scale=d**-0.5, bits=bits,
+                                     group_size=g, use_kernel=True)
+        ref = oracle(q, pools[1], *args, scale=d**-0.5, bits=bits, group_size=g)
+        check_close(out, ref, mx.float16, "cycle")
+        full = [s for s in order if tail_lens[s] == r + g]
+        if full:
+            ids = [free.pop() for _ in full]
+            fargs = (mx.array(full), mx.array(ids), mx.array([tail_lens[s] for s in full]))
+            dispatch.flush(pools[0], *fargs, bits=bits, group_size=g, use_kernel=True)
+            flush_tails(pools[1], *fargs, bits=bits, group_size=g)
+            for s, bid in zip(full, ids):
+                tables[s].append(bid)
+                tail_lens[s] -= g
+    for name, a, b in zip(KiviPool._fields, *pools):
+        assert np.array_equal(to_np(a), to_np(b)), name
+    assert len(tables[0]) >= 3
