@@ -27,6 +27,8 @@ from engine.stop import StopMatcher
 
 log = logging.getLogger("kiviq.engine")
 
+BATCHED_PREFILL_MAX_TOKENS = 256  # padding waste stays small below this
+
 
 @dataclass
 class _Runtime:
@@ -122,8 +124,15 @@ class Engine:
             seq.kv = self.kv_store.new_sequence()
         if plan.decode:
             events += self._decode(plan.decode)
+        # Short whole prompts of new sequences share one (right-padded) forward,
+        # where per-forward overhead dominates; the rest go alone.
+        whole = [s for s, n in plan.prefill
+                 if s.prefilled == 0 and n == s.num_tokens <= BATCHED_PREFILL_MAX_TOKENS]
+        if len(whole) > 1:
+            events += self._prefill_new(whole)
         for seq, n in plan.prefill:
-            events += self._prefill(seq, n)
+            if len(whole) < 2 or seq not in whole:
+                events += self._prefill(seq, n)
         return events
 
     # ---- phases ----------------------------------------------------------
@@ -155,6 +164,26 @@ class Engine:
         self.stats["prefill_tokens"] += n
         self.scheduler.prefill_done(seq)
         return [self._emit(seq, int(token.item()))]
+
+    def _prefill_new(self, seqs: list[Sequence]) -> list[StepEvent]:
+        try:
+            logits = self.runner.prefill_new([s.kv for s in seqs], [s.context for s in seqs])
+            tokens = sample(logits, [s.runtime.row for s in seqs])
+            self.runner.settle(tokens)
+        except Exception as e:  # cannot tell whose fault: retry each alone next step
+            log.warning("batched prefill failed (%s); prefilling one by one", e)
+            for s in seqs:
+                self._release(s)
+                s.kv = self.kv_store.new_sequence()
+                s.prefilled = 0
+            return [ev for s in seqs for ev in self._prefill(s, s.num_tokens)]
+        events = []
+        for s, token in zip(seqs, tokens.tolist()):
+            s.prefilled = s.num_tokens
+            self.stats["prefill_tokens"] += s.num_tokens
+            self.scheduler.prefill_done(s)
+            events.append(self._emit(s, token))
+        return events
 
     # ---- tokens -> events -------------------------------------------------
 

@@ -19,10 +19,14 @@ class _KeepSpaceBPE(BPEStreamingDetokenizer):
 
 
 def make_detokenizer(tokenizer: Any) -> Any:
-    """A fresh streaming detokenizer for an mlx-lm TokenizerWrapper."""
+    """A fresh streaming detokenizer for an mlx-lm TokenizerWrapper.
+
+    Starts from the wrapper's own per-request copy, which shares the
+    vocabulary-sized token map (building a new one costs ~0.4 s).
+    """
     detok = tokenizer.detokenizer
-    if isinstance(detok, BPEStreamingDetokenizer):
-        return _KeepSpaceBPE(tokenizer._tokenizer)
-    if isinstance(detok, SPMStreamingDetokenizer):
-        return SPMStreamingDetokenizer(tokenizer._tokenizer, trim_space=False)
+    if type(detok) is BPEStreamingDetokenizer:
+        detok.__class__ = _KeepSpaceBPE
+    elif isinstance(detok, SPMStreamingDetokenizer):
+        detok.trim_space = False
     return detok

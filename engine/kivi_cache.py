@@ -37,8 +37,11 @@ class KiviLayerCache:
     ``nbytes``, ``state``, ``empty``) and does the attention itself.
     """
 
-    def __init__(self, store: KiviStore, layer: int, seqs: list[SequenceKV]):
+    def __init__(self, store: KiviStore, layer: int, seqs: list[SequenceKV], lengths: list[int] | None = None):
         self.store, self.layer, self.seqs = store, layer, seqs
+        # Real (unpadded) chunk length per sequence, for a batched first-chunk
+        # prefill of right-padded prompts.
+        self.lengths = lengths
         self._pending: tuple[mx.array, mx.array] | None = None
 
     @property
@@ -70,17 +73,34 @@ class KiviLayerCache:
             out = self.store.decode_attend(self.layer, self.seqs, queries[:, :, 0], scale)
             return out[:, :, None]
         if b != 1:
-            raise ValueError("prefill runs one sequence at a time")
+            return self._attend_first_chunks(queries, keys, values, scale)
         seq = self.seqs[0]
-        past_k, past_v = self.store.dense_past(self.layer, seq)
-        k_all = mx.concatenate([past_k, keys[0].astype(past_k.dtype)], axis=1)[None]
-        v_all = mx.concatenate([past_v, values[0].astype(past_v.dtype)], axis=1)[None]
-        # "causal" aligns the L queries with the last L of the S keys.
-        out = mx.fast.scaled_dot_product_attention(queries, k_all.astype(queries.dtype),
-                                                   v_all.astype(queries.dtype), scale=scale, mask="causal")
-        # Finish every read of the pool before this chunk is written into it.
-        mx.eval(out)
+        if seq.offset(self.layer, 1) == 0:  # first chunk: attends to itself only
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal")
+        else:
+            past_k, past_v = self.store.dense_past(self.layer, seq)
+            k_all = mx.concatenate([past_k, keys[0].astype(past_k.dtype)], axis=1)[None]
+            v_all = mx.concatenate([past_v, values[0].astype(past_v.dtype)], axis=1)[None]
+            # "causal" aligns the L queries with the last L of the S keys.
+            out = mx.fast.scaled_dot_product_attention(queries, k_all.astype(queries.dtype),
+                                                       v_all.astype(queries.dtype), scale=scale, mask="causal")
+            # Finish every read of the pool before this chunk is written into it.
+            mx.eval(out)
         self.store.append(self.layer, seq, keys[0], values[0])
+        return out
+
+    def _attend_first_chunks(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+        """Batched prefill of several new sequences, right-padded to one length.
+
+        With no past and padding only after each prompt, a causal mask alone
+        keeps every real token from seeing padding; only real tokens are
+        committed.
+        """
+        if any(s.offset(self.layer, 1) for s in self.seqs) or self.lengths is None:
+            raise ValueError("a batched prefill takes first chunks of new sequences, with their lengths")
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal")
+        for i, (seq, n) in enumerate(zip(self.seqs, self.lengths)):
+            self.store.append(self.layer, seq, keys[i, :, :n], values[i, :, :n])
         return out
 
     @property

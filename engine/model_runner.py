@@ -17,8 +17,8 @@ class ModelRunner:
         self.model = model
         self.store = store
 
-    def _caches(self, seqs: list[SequenceKV]) -> list[KiviLayerCache]:
-        return [KiviLayerCache(self.store, layer, seqs) for layer in range(self.store.num_layers)]
+    def _caches(self, seqs: list[SequenceKV], lengths: list[int] | None = None) -> list[KiviLayerCache]:
+        return [KiviLayerCache(self.store, layer, seqs, lengths) for layer in range(self.store.num_layers)]
 
     def prefill(self, seq: SequenceKV, tokens: list[int]) -> mx.array:
         """Feed a chunk of one sequence's context.
@@ -28,6 +28,18 @@ class ModelRunner:
         """
         logits = self.model(mx.array(tokens)[None], cache=self._caches([seq]))
         return logits[0, -1]
+
+    def prefill_new(self, seqs: list[SequenceKV], prompts: list[list[int]]) -> mx.array:
+        """Whole prompts of new sequences in one forward (right-padded).
+
+        Returns:
+            [B, V] logits after each prompt's last token.
+        """
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        tokens = mx.array([p + [0] * (width - len(p)) for p in prompts])
+        logits = self.model(tokens, cache=self._caches(seqs, lengths))
+        return logits[mx.arange(len(prompts)), mx.array(lengths) - 1]
 
     def decode(self, seqs: list[SequenceKV], tokens: list[int]) -> mx.array:
         """One token per sequence, all in one forward (per-sequence RoPE
