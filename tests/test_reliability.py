@@ -175,3 +175,23 @@ def _workers(conn: Redis) -> int:
     from rq import Worker
 
     return len(Worker.all(connection=conn))
+
+
+def test_job_whose_final_event_exists_is_recorded_not_rerun(worker_process, redis_url, redis_conn):
+    """A worker killed between publishing a job's final event and recording
+    it in rq: the requeued job is recorded from that event, not generated twice."""
+    from jobs.models import EventType, GenerationResult, StreamEvent, Usage
+    from jobs.publisher import EventPublisher
+
+    queue = Queue(queue_name("low"), connection=redis_conn, serializer=JSONSerializer)
+    job = queue.enqueue_call("jobs.tasks.generate", args=({"prompt": "x", "max_tokens": 3},), timeout=-1)
+    redis_conn.lrem(queue.key, 0, job.id)  # hold it back while its "earlier run" is written
+    result = GenerationResult(job_id=job.id, text="earlier run", token_ids=[1, 2], finish_reason="length",
+                              usage=Usage(prompt_tokens=1, completion_tokens=2))
+    EventPublisher(redis_conn).publish([
+        StreamEvent(job_id=job.id, seq=0, type=EventType.token, text="earlier run", token_ids=[1, 2]),
+        StreamEvent(job_id=job.id, seq=1, type=EventType.done, finish_reason="length", result=result)])
+    redis_conn.rpush(queue.key, job.id)
+    wait_for(lambda: job.get_status(refresh=True).value == "finished", 60, "job recorded")
+    assert count_done_events(redis_conn, job.id) == 1
+    assert job.latest_result().return_value["text"] == "earlier run"

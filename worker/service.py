@@ -33,7 +33,7 @@ from rq.utils import now
 
 from engine.request import StepEvent
 from engine.setup import context_length
-from jobs.keys import TASK_PATH, cancel_flag, max_queued_key, queue_names
+from jobs.keys import TASK_PATH, cancel_flag, max_queued_key, queue_names, replay_log
 from jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, Timing, Usage
 from jobs.publisher import EventPublisher
 from jobs.validation import validate_request
@@ -204,6 +204,8 @@ class BatchWorker(SimpleWorker):
         job.started_at = now()
         active = ActiveJob(job, queue, execution, self.publisher.next_seq(job.id))
         self.active[job.id] = active
+        if self._already_ended(active):
+            return
         if active.next_seq > 0:  # a requeued job: clients drop what they saw
             self._outbox_events.append(self._event(active, EventType.restarted))
         if self.connection.exists(cancel_flag(job.id)):
@@ -222,6 +224,24 @@ class BatchWorker(SimpleWorker):
         if self.metrics is not None:
             self.metrics.job_admitted(job.id, self._queue_wait(job), queue.name)
         log.info("job %s admitted (%d prompt tokens)", job.id, active.prompt_tokens)
+
+    def _already_ended(self, active: ActiveJob) -> bool:
+        """A worker that died after publishing a job's final event but before
+        recording it in rq leaves the job to be requeued; finish the rq side
+        from that event instead of generating (and publishing) it twice."""
+        last = self.connection.lrange(replay_log(active.job.id), -1, -1)
+        if not last:
+            return False
+        event = StreamEvent.model_validate_json(last[0])
+        if event.type == EventType.done and event.result is not None:
+            self._record_success(active, event.result)
+        elif event.type == EventType.error:
+            self._record_failure(active, event.error or "job failed")
+        else:
+            return False
+        self._ended(active, "finished" if event.type == EventType.done else "failed", event.finish_reason)
+        log.info("job %s had already ended (%s); recorded without rerunning", active.job.id, event.type.value)
+        return True
 
     @staticmethod
     def _job_payload(job: Job) -> Any:
@@ -325,6 +345,12 @@ class BatchWorker(SimpleWorker):
     def _finish_ok(self, active: ActiveJob, reason: FinishReason) -> None:
         result = self._result(active, reason)
         self._outbox_events.append(self._event(active, EventType.done, finish_reason=reason, result=result))
+        self._record_success(active, result)
+        self._ended(active, "timeout" if reason == FinishReason.timeout else "finished", reason)
+        log.info("job %s finished: %s, %d tokens", active.job.id, reason.value, len(active.token_ids))
+
+    def _record_success(self, active: ActiveJob, result: GenerationResult) -> None:
+        """Queue rq's success bookkeeping (result stored once) behind the events."""
         job = active.job
 
         def record() -> None:
@@ -336,14 +362,9 @@ class BatchWorker(SimpleWorker):
                                     execution=active.execution)
 
         self._outbox_endings.append(record)
-        self._ended(active, "timeout" if reason == FinishReason.timeout else "finished", reason)
-        log.info("job %s finished: %s, %d tokens", job.id, reason.value, len(active.token_ids))
 
-    def _finish_failed(self, active: ActiveJob, message: str) -> None:
+    def _record_failure(self, active: ActiveJob, message: str) -> None:
         job = active.job
-        self.engine.abort(job.id)
-        self._outbox_events.append(self._event(active, EventType.error, finish_reason=FinishReason.error,
-                                               error=message))
 
         def record() -> None:
             job._status = JobStatus.FAILED
@@ -351,6 +372,13 @@ class BatchWorker(SimpleWorker):
             self.handle_job_failure(job, active.queue, exc_string=message, execution=active.execution)
 
         self._outbox_endings.append(record)
+
+    def _finish_failed(self, active: ActiveJob, message: str) -> None:
+        job = active.job
+        self.engine.abort(job.id)
+        self._outbox_events.append(self._event(active, EventType.error, finish_reason=FinishReason.error,
+                                               error=message))
+        self._record_failure(active, message)
         self._ended(active, "failed")
         log.warning("job %s failed: %s", job.id, message)
 
