@@ -60,7 +60,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     run_worker(args.model, args.redis_url, burst=args.burst, max_active=args.max_active, log_level=args.log_level,
                kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_residual=args.kv_residual,
                kv_memory=args.kv_memory, max_queued=args.max_queued, grace_s=args.grace,
-               metrics_port=args.metrics_port)
+               metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     return 0
 
 
@@ -159,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--kv-memory", type=parse_bytes, default=None,
                    help="KV store budget, e.g. 2GiB (default: a quarter of device memory)")
     w.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics (0: a free port)")
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port)")
+    w.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics endpoint binds (0.0.0.0 inside a container)")
     w.add_argument("--log-level", default="INFO")
     w.set_defaults(func=cmd_worker)
 

@@ -119,6 +119,10 @@ class KiviStore:
         return ((self.num_blocks - self.free_blocks) * self.block_bytes
                 + (self.num_slots - self.free_slots) * self.slot_bytes)
 
+    def budget_bytes(self) -> int:
+        """Bytes of all blocks and tails the store owns."""
+        return self.num_blocks * self.block_bytes + self.num_slots * self.slot_bytes
+
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks a sequence of ``num_tokens`` tokens holds (the rest is in its tail)."""
         g, r = self.config.group_size, self.config.residual

@@ -195,3 +195,67 @@ def test_job_whose_final_event_exists_is_recorded_not_rerun(worker_process, redi
     wait_for(lambda: job.get_status(refresh=True).value == "finished", 60, "job recorded")
     assert count_done_events(redis_conn, job.id) == 1
     assert job.latest_result().return_value["text"] == "earlier run"
+
+
+def _kv_used(port: int) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("kiviq:kv_cache_used_bytes"))
+
+
+def test_cancel_and_timeout_free_kv_memory(start_worker, redis_url):
+    port = free_port()
+    start_worker("--metrics-port", str(port))
+    client = Client(redis_url)
+    client.submit(prompt="Hi", max_tokens=1).result(timeout=120)
+    before = _kv_used(port)
+    long_prompt = "Count from one to one thousand: one, two,"
+    running = client.submit(prompt=long_prompt, max_tokens=2000)
+    next(running.stream(timeout=120))
+    assert _kv_used(port) > before  # the running sequence holds KV memory
+    client.cancel(running.job_id)
+    assert running.result(timeout=60).finish_reason.value == "cancelled"
+    wait_for(lambda: _kv_used(port) == before, 10, "KV freed after cancel")
+    timed = client.submit(prompt=long_prompt, max_tokens=2000, timeout_s=1.5)
+    assert timed.result(timeout=60).finish_reason.value == "timeout"
+    wait_for(lambda: _kv_used(port) == before, 10, "KV freed after timeout")
+
+
+def test_oversized_payload_fails_at_submit_or_alone_on_the_worker(worker_process, redis_url, redis_conn):
+    from client import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="prompt"):
+        Client(redis_url).submit(prompt="x" * 1_000_001)
+    queue = Queue(queue_name("default"), connection=redis_conn, serializer=JSONSerializer)
+    bad = queue.enqueue_call("jobs.tasks.generate", args=({"prompt": "x" * 1_000_001},), timeout=-1)
+    good = Client(redis_url).submit(prompt="Hello", max_tokens=2)
+    assert good.result(timeout=120).finish_reason.value in ("stop", "length")
+    with pytest.raises(Exception, match="prompt"):
+        Client(redis_url).job(bad.id).result(timeout=30)
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs a redis-server binary")
+def test_password_protected_redis_and_no_credentials_in_logs(start_worker, monkeypatch):
+    port, secret = free_port(), "s3cret-pass-word"
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--requirepass", secret], stdout=subprocess.DEVNULL)
+    try:
+        url = f"redis://:{secret}@127.0.0.1:{port}/0"
+        wait_for(lambda: _pings(url), 10, "password redis")
+        worker = subprocess.Popen([os.sys.executable, "-m", "client.cli", "worker", "--redis-url", url],
+                                  cwd=os.path.dirname(os.path.dirname(__file__)),
+                                  env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            handle = Client(url).submit(prompt="Hello", max_tokens=2)
+            assert handle.result(timeout=180).finish_reason.value in ("stop", "length")
+        finally:
+            worker.terminate()
+            log = worker.communicate(timeout=30)[0]
+        assert secret not in log and "admitted" in log
+        with pytest.raises(Exception):
+            Redis.from_url(f"redis://127.0.0.1:{port}/0").ping()  # the password is really required
+    finally:
+        server.kill()
+        server.wait()

@@ -17,7 +17,7 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, burst:
                max_active: int = 32, name: str | None = None, log_level: str = "INFO",
                kv_bits: int = 4, kv_group_size: int = 32, kv_residual: int = 128,
                kv_memory: int | None = None, max_queued: int | None = None, grace_s: float = 30.0,
-               metrics_port: int | None = None) -> int:
+               metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> int:
     """Load ``model`` (default: SmolLM2-135M-Instruct) and serve jobs.
 
     ``metrics_port``: serve Prometheus metrics on http://127.0.0.1:PORT/metrics
@@ -34,7 +34,7 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, burst:
     connection.ping()  # fail fast with a clear error before the slow model load
     metrics = WorkerMetrics()
     if metrics_port is not None:  # bind before the slow model load: a taken port fails fast
-        serve_metrics(metrics, metrics_port)
+        serve_metrics(metrics, metrics_port, host=metrics_host)
     log.info("loading model %s", model or "(default SmolLM2-135M-Instruct)")
     lm, tokenizer = load(model)
     engine = build_engine(lm, tokenizer, kv_bits=kv_bits, kv_group_size=kv_group_size,

@@ -346,11 +346,20 @@ class WorkerMetrics:
             self.prefill_tokens.inc(prefill_tokens)
             self.running.set(running)
             self.waiting.set(waiting)
-            self.kv_used.set(kv_used_bytes)
-            self.kv_budget.set(kv_budget_bytes)
-            self.kv_usage.set(min(1.0, kv_used_bytes / kv_budget_bytes) if kv_budget_bytes > 0 else 0.0)
+            self._set_kv(kv_used_bytes, kv_budget_bytes)
             self._steps.append((t, duration_s, decode_tokens, prefill_tokens))
             self._trim(t)
+
+    def kv_memory(self, used_bytes: int, budget_bytes: int) -> None:
+        """KV usage changed outside a step (a job was cancelled or ended):
+        freed memory shows at once, not at the next step."""
+        with self._lock:
+            self._set_kv(used_bytes, budget_bytes)
+
+    def _set_kv(self, used: int, budget: int) -> None:
+        self.kv_used.set(used)
+        self.kv_budget.set(budget)
+        self.kv_usage.set(min(1.0, used / budget) if budget > 0 else 0.0)
 
     def job_finished(self, job_id: str, outcome: str, e2e_s: float, prompt_tokens: int, completion_tokens: int,
                      *, finish_reason: str | None = None) -> None:
@@ -406,8 +415,7 @@ class WorkerMetrics:
         store = getattr(engine, "kv_store", None)
         if store is not None and hasattr(store, "used_bytes"):
             used = int(store.used_bytes())
-            budget = int(getattr(store, "num_blocks", 0) * getattr(store, "block_bytes", 0)
-                         + getattr(store, "num_slots", 0) * getattr(store, "slot_bytes", 0))
+            budget = int(store.budget_bytes())
         self.step(duration_s, decode_tokens=decode, prefill_tokens=prefill, running=running, waiting=waiting,
                   kv_used_bytes=used, kv_budget_bytes=budget)
 

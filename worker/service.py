@@ -341,6 +341,9 @@ class BatchWorker(SimpleWorker):
             self.metrics.job_finished(active.job.id, outcome, time.monotonic() - active.admitted_at,
                                       active.prompt_tokens, len(active.token_ids),
                                       finish_reason=finish_reason.value if finish_reason else None)
+            store = getattr(self.engine, "kv_store", None)
+            if store is not None:
+                self.metrics.kv_memory(store.used_bytes(), store.budget_bytes())
 
     def _finish_ok(self, active: ActiveJob, reason: FinishReason) -> None:
         result = self._result(active, reason)
