@@ -94,14 +94,7 @@ def make_input(b, s, bits, seed):
     return args, dense, nblk, tail
 
 
-KERNEL_VARIANT = [None]  # --variant: force the CUDA split kernel variant (v1/v2)
-
-
-def kernel_fn(args, bits, variant=None):
-    v = variant or KERNEL_VARIANT[0]
-    if v is not None and dispatch.backend() == "cuda":
-        from kernels import kivi_cuda
-        return kivi_cuda.kivi_decode_attend(*args, scale=SCALE, bits=bits, kernel_variant=v)
+def kernel_fn(args, bits):
     return dispatch.decode_attend(*args, scale=SCALE, bits=bits, use_kernel=True)
 
 
@@ -237,11 +230,7 @@ def main():
                     help="B:S pairs to run instead of the grid, e.g. 32:8192 1:32768")
     ap.add_argument("--probe", action="store_true",
                     help="also time host-side graph building vs GPU (launch overhead)")
-    ap.add_argument("--variants", nargs="*", default=None,
-                    help="CUDA split-kernel variants to time side by side (v1 v2); "
-                    "one table row per variant")
     a = ap.parse_args()
-    kvars = a.variants or [None]
     if not dispatch.kernel_available():
         sys.exit("no KIVI kernel backend here (needs MLX CUDA or Metal)")
     print(f"mlx {mx.__version__}, device {mx.device_info().get('device_name', '?')}, "
@@ -273,40 +262,30 @@ def main():
             n_inputs = max(3, min(n_inputs, int(40 / fp16_gb)))  # dense copies <= ~40 GB
             made = [make_input(b, s, bits, seed=100 * i + bits) for i in range(n_inputs)]
             nblk, tail = made[0][2], made[0][3]
-            variants = {f"kernel:{v}": (lambda x, bits=bits, v=v: kernel_fn(x[0], bits, v))
-                        for v in kvars}
+            variants = {"kernel": lambda x, bits=bits: kernel_fn(x[0], bits)}
             variants["sdpa"] = lambda x: sdpa_fn(x[0][0], *x[1])
             if not a.no_deq:
                 variants["deq"] = lambda x, bits=bits, tail=tail: deq_sdpa_fn(x[0], bits, tail)
             inputs = [(m[0], m[1]) for m in made]
             dq_out = deq_sdpa_fn(inputs[0][0], bits, tail)
-            checks = {}
-            for v in kvars:
-                KERNEL_VARIANT[0] = v
-                checks[v] = check(inputs[0][0], dq_out, bits)
-            KERNEL_VARIANT[0] = None
+            ok, e_ref, e_dq = check(inputs[0][0], dq_out, bits)
             t = time_variants(variants, inputs, a.repeats)
             med = {k: float(np.median(v)) for k, v in t.items()}
             nbytes = kernel_bytes(b, nblk, tail, bits)
             spread = (max(t["sdpa"]) - min(t["sdpa"])) / med["sdpa"]
-            for v in kvars:
-                kt = t[f"kernel:{v}"]
-                km = med[f"kernel:{v}"]
-                ok, e_ref, e_dq = checks[v]
-                bw = nbytes / km
-                deq = f"{med['deq'] * 1e3:.3f}" if "deq" in med else "-"
-                xdeq = f"{med['deq'] / km:.2f}" if "deq" in med else "-"
-                vb = f"{bits} {v}" if v else f"{bits}"
-                row = (f"| {b} | {s} | {vb} | {fmt_ms(kt)} | {bw / 1e9:.0f} | "
-                       f"{100 * bw / copy_bw:.0f}% | {med['sdpa'] * 1e3:.3f} | "
-                       f"{med['sdpa'] / km:.2f} | {deq} | {xdeq} | "
-                       f"{'ok' if ok else 'FAIL'} ({e_ref:.1e} / {e_dq:.1e}) | "
-                       f"{100 * spread:.1f}% |")
-                rows.append(row)
-                results.append(dict(b=b, s=s, bits=bits, pct=bw / copy_bw, ok=ok,
-                                    variant=v, x_sdpa=med["sdpa"] / km,
-                                    x_deq=(med["deq"] / km) if "deq" in med else None))
-                print(row, flush=True)
+            kt, km = t["kernel"], med["kernel"]
+            bw = nbytes / km
+            deq = f"{med['deq'] * 1e3:.3f}" if "deq" in med else "-"
+            xdeq = f"{med['deq'] / km:.2f}" if "deq" in med else "-"
+            row = (f"| {b} | {s} | {bits} | {fmt_ms(kt)} | {bw / 1e9:.0f} | "
+                   f"{100 * bw / copy_bw:.0f}% | {med['sdpa'] * 1e3:.3f} | "
+                   f"{med['sdpa'] / km:.2f} | {deq} | {xdeq} | "
+                   f"{'ok' if ok else 'FAIL'} ({e_ref:.1e} / {e_dq:.1e}) | "
+                   f"{100 * spread:.1f}% |")
+            rows.append(row)
+            results.append(dict(b=b, s=s, bits=bits, pct=bw / copy_bw, ok=ok, x_sdpa=med["sdpa"] / km,
+                                x_deq=(med["deq"] / km) if "deq" in med else None))
+            print(row, flush=True)
             with open(path, "w") as f:
                 f.write(f"device copy bandwidth: {copy_bw / 1e12:.2f} TB/s\n\n")
                 f.write("\n".join(rows) + "\n")

@@ -7,7 +7,6 @@ import glob
 import os
 import subprocess
 import sys
-import time
 
 from client.client import Client, redis_url_from_env
 from client.local_redis import ensure_redis

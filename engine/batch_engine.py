@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from engine.detokenizer import make_detokenizer
@@ -23,7 +22,7 @@ from engine.request import Request, StepEvent
 from engine.sampler import RowState, sample
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.stop import StopMatcher
+from engine.stop import StopMatcher, final_text
 
 log = logging.getLogger("kiviq.engine")
 
@@ -203,14 +202,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, token_ids: list[int], reason: str, text: str = "") -> StepEvent:
         """End with whatever text the detokenizer and stop matcher still hold."""
-        rt = seq.runtime
-        rt.detokenizer.finalize()
-        tail, stopped = rt.stopper.push(rt.detokenizer.last_segment)
-        if stopped:
-            reason = "stop"
-        else:
-            tail += rt.stopper.flush()
-        return self._end(seq, token_ids, text + tail, reason)
+        tail, stopped = final_text(seq.runtime.detokenizer, seq.runtime.stopper)
+        return self._end(seq, token_ids, text + tail, "stop" if stopped else reason)
 
     def _end(self, seq: Sequence, token_ids: list[int], text: str, reason: str,
              error: str | None = None) -> StepEvent:

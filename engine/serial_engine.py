@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from engine.detokenizer import make_detokenizer
 from engine.request import Request, StepEvent
-from engine.stop import StopMatcher
+from engine.stop import StopMatcher, final_text
 
 CacheFactory = Callable[[nn.Module], list[Any]]
 
@@ -187,10 +187,5 @@ class SerialEngine:
         return StepEvent(req.request_id, [token], text)
 
     def _finish(self, run: _Running, token_ids: list[int], reason: str, text: str = "") -> StepEvent:
-        run.detokenizer.finalize()
-        tail, stopped = run.stopper.push(run.detokenizer.last_segment)
-        if stopped:
-            reason = "stop"
-        else:
-            tail += run.stopper.flush()
-        return StepEvent(run.request.request_id, token_ids, text + tail, reason)
+        tail, stopped = final_text(run.detokenizer, run.stopper)
+        return StepEvent(run.request.request_id, token_ids, text + tail, "stop" if stopped else reason)

@@ -42,3 +42,11 @@ class StopMatcher:
                     best = k
                     break
         return best
+
+
+def final_text(detokenizer, stopper: StopMatcher) -> tuple[str, bool]:
+    """Flush a finished sequence's streaming detokenizer through its stop
+    matcher: the text still to emit, and whether a stop string ended it."""
+    detokenizer.finalize()
+    tail, stopped = stopper.push(detokenizer.last_segment)
+    return (tail, True) if stopped else (tail + stopper.flush(), False)

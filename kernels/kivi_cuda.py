@@ -54,6 +54,7 @@ import os
 
 import mlx.core as mx
 
+from kernels.kivi_reference import check_flush_args
 from kernels.layout import KiviPool, check_layout
 
 LOG2E = 1.4426950408889634
@@ -464,344 +465,6 @@ ATTEND_SOURCE = r"""
   }
 """
 
-# v2 of the split kernel (KIVIQ_KIVI_KERNEL=v2): same inputs, outputs, grid, split
-# plan and float32 numerics as v1 (the same FMA per dequantized element, the same
-# order of sums within a lane), but built for occupancy, the measured limit of v1:
-#   * K phase: a lane owns 4 tokens of a block (v1: 8), a warp step covers 128 tokens
-#     (v1's 256-token plan is whole v2 steps), so scores take REP x 4 registers;
-#   * V phase: a lane owns 4 channels (D / 32 at D = 256) of a token row (v1: 8), so
-#     the accumulator takes REP x 4 registers;
-#   * p in shared memory as [token][REP] and q as [channel][REP]: one vector load per
-#     token (channel) for all query heads;
-#   * __launch_bounds__ (header_v2) caps registers: 64 at REP <= 2 (32 warps/SM),
-#     91 used at REP 3-4 (20 warps/SM; an 80 cap spills), 142 at REP = 8 (v1: 124 at
-#     REP = 4, 16 warps/SM; 209 at REP = 8). Counts from ptxas -v, sm_90, CUDA 13.
-# Measured (H200, docs/benchmarks_kernel.md): passes all 41 GPU tests, but it is
-# SLOWER than v1 where it matters: B=32 S=8k 4-bit 0.423 vs 0.402 ms, B=64 S=16k
-# 1.47 vs 1.22 ms; equal at B=1 S=32k, ~10 % faster at B=8 S=4k. Narrower per-lane
-# loads and twice the per-channel/per-token overhead cost more than the extra
-# warps gain, so v1 stays the default and v2 is an opt-in experiment.
-HEADER_V2_EXTRA = r"""
-// 4 consecutive codes (4 * BITS / 8 bytes, aligned to that size by the layout).
-template <int BITS>
-__device__ __forceinline__ uint32_t kivi_load4(const uint8_t* p) {
-  if constexpr (BITS == 2) {
-    return __ldg(p);
-  } else if constexpr (BITS == 4) {
-    return __ldg(reinterpret_cast<const unsigned short*>(p));
-  } else {
-    return __ldg(reinterpret_cast<const unsigned int*>(p));
-  }
-}
-
-// N (4 or 8) consecutive codes as two words (hi unused for N = 4).
-template <int BITS, int N>
-__device__ __forceinline__ void kivi_loadc(const uint8_t* p, uint32_t& lo, uint32_t& hi) {
-  if constexpr (N == 4) {
-    lo = kivi_load4<BITS>(p);
-    hi = 0u;
-  } else {
-    kivi_load8<BITS>(p, lo, hi);
-  }
-}
-
-// N (4 or 8) consecutive fp16/bf16 values (8 or 16 bytes, aligned) as floats.
-template <typename SD, int N>
-__device__ __forceinline__ void kivi_loadNf(const SD* p, float* x) {
-  if constexpr (N == 4) {
-    const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
-    x[0] = kivi_bits_f<SD>(u.x & 0xffffu);
-    x[1] = kivi_bits_f<SD>(u.x >> 16);
-    x[2] = kivi_bits_f<SD>(u.y & 0xffffu);
-    x[3] = kivi_bits_f<SD>(u.y >> 16);
-  } else {
-    kivi_load8f<SD>(p, x);
-  }
-}
-
-// N floats from shared memory at p (p 16-byte aligned when N % 4 == 0, 8 when even).
-template <int N>
-__device__ __forceinline__ void kivi_lds(const float* p, float* x) {
-  if constexpr (N % 4 == 0) {
-#pragma unroll
-    for (int k = 0; k < N / 4; ++k) {
-      const float4 v = reinterpret_cast<const float4*>(p)[k];
-      x[4 * k] = v.x;
-      x[4 * k + 1] = v.y;
-      x[4 * k + 2] = v.z;
-      x[4 * k + 3] = v.w;
-    }
-  } else if constexpr (N % 2 == 0) {
-#pragma unroll
-    for (int k = 0; k < N / 2; ++k) {
-      const float2 v = reinterpret_cast<const float2*>(p)[k];
-      x[2 * k] = v.x;
-      x[2 * k + 1] = v.y;
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < N; ++k) x[k] = p[k];
-  }
-}
-"""
-
-V2_THREADS = 128  # NW * 32 of the v2 launch (launch bounds must match the block size)
-
-
-def v2_min_blocks(rep: int) -> int:
-    """Resident 128-thread blocks per SM the v2 register cap aims at."""
-    return 8 if rep <= 2 else (5 if rep <= 4 else 3)
-
-
-def header_v2(rep: int) -> str:
-    """v1's header, the v2 helpers, then __launch_bounds__ on the kernel that follows.
-
-    mx.fast.cuda_kernel writes `__global__ void <name>(...)` right after the header;
-    redefining __global__ there is the only way to give that kernel launch bounds.
-    """
-    return (HEADER + HEADER_V2_EXTRA +
-            "\n#undef __global__\n"
-            f"#define __global__ __attribute__((global)) "
-            f"__launch_bounds__({V2_THREADS}, {v2_min_blocks(rep)})\n")
-
-
-ATTEND_SOURCE_V2 = r"""
-  constexpr int P = 8 / BITS;
-  constexpr int KROW = G / P;        // bytes of one k_codes row (one channel, G tokens)
-  constexpr int VROW = D / P;        // bytes of one v_codes row (one token, D channels)
-  constexpr int NG = D / G;          // value groups per token
-  constexpr int TPL = 4;             // K phase: tokens per lane
-  constexpr int VUMAX = 8;
-  constexpr int KB = TPL * BITS / 8; // K phase: bytes of a lane's codes per channel
-  constexpr int LPB = G / TPL;       // K phase: lanes per block
-  constexpr int SB = 32 / LPB;       // blocks per warp step
-  constexpr int STEP = SB * G;       // tokens per warp step (128)
-  constexpr int CPL = (D / 32 > 4) ? D / 32 : 4;  // V phase: channels per lane
-  constexpr int LR = D / CPL;        // V phase: lanes per token row
-  constexpr int TPI = 32 / LR;       // V phase: tokens per iteration
-  constexpr int VU = (G / TPI < VUMAX) ? G / TPI : VUMAX;  // V: tokens loaded together
-
-  __shared__ __align__(16) float qs[D * REP];         // [D][REP] q * scale * log2(e)
-  __shared__ __align__(16) float ps[NW * STEP * REP];  // per warp: [STEP][REP] p
-
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int h = blockIdx.y;
-  const int b = blockIdx.z;
-  const int H_kv = gridDim.y;
-  const int mbs = params[0];
-  const int bps = params[1];
-  const int nsplit = params[2];
-  const int RG = params[3];
-  const int nsu = nsplit + 1;
-  const int split = blockIdx.x * NW + warp;
-
-  {
-    const T* qp = q + ((size_t)b * H_kv + h) * (REP * D);
-    const float qscale = qscale_in[0];
-    for (int i = threadIdx.x; i < REP * D; i += NW * 32) {
-      qs[(i % D) * REP + i / D] = kivi_f(qp[i]) * qscale;
-    }
-  }
-  __syncthreads();
-  if (split >= nsu) return;  // warp-uniform; no barrier follows
-
-  float* pw = ps + warp * (STEP * REP);
-  float m[REP], l[REP], acc[REP][CPL];
-#pragma unroll
-  for (int r = 0; r < REP; ++r) {
-    m[r] = KIVI_NEG_INF;
-    l[r] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < CPL; ++j) acc[r][j] = 0.0f;
-  }
-  const int cc = lane % LR;  // V phase: channels cc*CPL .. + CPL-1 (inside one group)
-  const int to = lane / LR;  // V phase: token offset
-
-  if (split < nsplit) {
-    const int nb = min(num_blocks[b], mbs);
-    const int blk0 = split * bps;
-    const int blk1 = min(blk0 + bps, nb);
-    const int* table = block_tables + (size_t)b * mbs;
-    const int jl = lane / LPB;   // K phase: block within the step
-    const int seg = lane % LPB;  // K phase: 4-token segment within the block
-    for (int sb = blk0; sb < blk1; sb += SB) {
-      const int nblk = min(SB, blk1 - sb);  // warp-uniform
-      const bool kvalid = jl < nblk;
-      const int pb = kvalid ? table[sb + jl] : 0;
-      float s[REP][TPL];
-#pragma unroll
-      for (int r = 0; r < REP; ++r)
-#pragma unroll
-        for (int j = 0; j < TPL; ++j) s[r][j] = 0.0f;
-      if (kvalid) {
-        const size_t tile = (size_t)pb * H_kv + h;
-        const uint8_t* kc = k_codes + tile * (D * KROW) + seg * KB;
-        const SD* ksp = k_scales + tile * D;
-        const SD* kzp = k_zeros + tile * D;
-#pragma unroll 1
-        for (int d0 = 0; d0 < D; d0 += 8) {
-          uint32_t w[8];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) w[i] = kivi_load4<BITS>(kc + (d0 + i) * KROW);
-          float ks[8], kz[8];
-          kivi_load8f<SD>(ksp + d0, ks);
-          kivi_load8f<SD>(kzp + d0, kz);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            float qd[REP];
-            kivi_lds<REP>(qs + (d0 + i) * REP, qd);
-#pragma unroll
-            for (int j = 0; j < TPL; ++j) {
-              const float x = fmaf(kivi_code<BITS>(w[i], 0u, j), ks[i], kz[i]);
-#pragma unroll
-              for (int r = 0; r < REP; ++r) s[r][j] = fmaf(qd[r], x, s[r][j]);
-            }
-          }
-        }
-      }
-      // Online softmax over the step; lane 0's block is always valid, so mx is finite.
-#pragma unroll
-      for (int r = 0; r < REP; ++r) {
-        float mx = KIVI_NEG_INF;
-        if (kvalid) {
-#pragma unroll
-          for (int j = 0; j < TPL; ++j) mx = fmaxf(mx, s[r][j]);
-        }
-        mx = fmaxf(m[r], kivi_warp_max(mx));
-        const float alpha = exp2f(m[r] - mx);
-        m[r] = mx;
-        l[r] *= alpha;
-#pragma unroll
-        for (int j = 0; j < CPL; ++j) acc[r][j] *= alpha;
-        float lsum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < TPL; ++j) {
-          const float p = kvalid ? exp2f(s[r][j] - mx) : 0.0f;
-          lsum += p;
-          pw[(lane * TPL + j) * REP + r] = p;
-        }
-        l[r] += lsum;
-      }
-      __syncwarp();
-      for (int jj = 0; jj < nblk; ++jj) {
-        const int vb = __shfl_sync(KIVI_FULL, pb, jj * LPB);
-        const size_t tile = (size_t)vb * H_kv + h;
-        const uint8_t* vc = v_codes + tile * (G * VROW) + cc * (CPL * BITS / 8);
-        const SD* vsp = v_scales + tile * (G * NG) + (cc * CPL) / G;
-        const SD* vzp = v_zeros + tile * (G * NG) + (cc * CPL) / G;
-        const float* pp = pw + jj * G * REP;
-#pragma unroll 1
-        for (int t0 = to; t0 < G; t0 += VU * TPI) {
-          uint32_t lo[VU], hi[VU];
-          float vs[VU], vz[VU];
-#pragma unroll
-          for (int i = 0; i < VU; ++i) {
-            const int t = t0 + i * TPI;
-            kivi_loadc<BITS, CPL>(vc + t * VROW, lo[i], hi[i]);
-            vs[i] = kivi_f(__ldg(vsp + t * NG));
-            vz[i] = kivi_f(__ldg(vzp + t * NG));
-          }
-#pragma unroll
-          for (int i = 0; i < VU; ++i) {
-            const int t = t0 + i * TPI;
-            float pr[REP];
-            kivi_lds<REP>(pp + t * REP, pr);
-#pragma unroll
-            for (int j = 0; j < CPL; ++j) {
-              const float x = fmaf(kivi_code<BITS>(lo[i], hi[i], j), vs[i], vz[i]);
-#pragma unroll
-              for (int r = 0; r < REP; ++r) acc[r][j] = fmaf(pr[r], x, acc[r][j]);
-            }
-          }
-        }
-      }
-      __syncwarp();
-    }
-  } else {
-    // ---- the fp16/bf16 tail: rows 0 .. tail_len-1 of this sequence's slot --------
-    const int tl = min(tail_lens[b], RG);
-    const size_t base = ((size_t)slots[b] * H_kv + h) * RG * D;
-    const SD* tk = tail_k + base;
-    const SD* tv = tail_v + base;
-    for (int c0 = 0; c0 < tl; c0 += 32) {
-      const int n = min(32, tl - c0);  // warp-uniform
-      const bool valid = lane < n;
-      float s[REP];
-#pragma unroll
-      for (int r = 0; r < REP; ++r) s[r] = 0.0f;
-      if (valid) {
-        const SD* row = tk + (size_t)(c0 + lane) * D;
-#pragma unroll 2
-        for (int d0 = 0; d0 < D; d0 += 8) {
-          float x[8];
-          kivi_load8f<SD>(row + d0, x);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            float qd[REP];
-            kivi_lds<REP>(qs + (d0 + j) * REP, qd);
-#pragma unroll
-            for (int r = 0; r < REP; ++r) s[r] = fmaf(qd[r], x[j], s[r]);
-          }
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < REP; ++r) {
-        const float mx = fmaxf(m[r], kivi_warp_max(valid ? s[r] : KIVI_NEG_INF));
-        const float alpha = exp2f(m[r] - mx);
-        m[r] = mx;
-        l[r] *= alpha;
-#pragma unroll
-        for (int j = 0; j < CPL; ++j) acc[r][j] *= alpha;
-        const float p = valid ? exp2f(s[r] - mx) : 0.0f;
-        l[r] += p;
-        pw[lane * REP + r] = p;
-      }
-      __syncwarp();
-      for (int t = to; t < n; t += TPI) {
-        float x[CPL];
-        kivi_loadNf<SD, CPL>(tv + (size_t)(c0 + t) * D + cc * CPL, x);
-        float pr[REP];
-        kivi_lds<REP>(pw + t * REP, pr);
-#pragma unroll
-        for (int r = 0; r < REP; ++r) {
-#pragma unroll
-          for (int j = 0; j < CPL; ++j) acc[r][j] = fmaf(pr[r], x[j], acc[r][j]);
-        }
-      }
-      __syncwarp();
-    }
-  }
-
-  // ---- this warp's (m, l, acc) per query head ------------------------------------
-  const size_t oi = ((size_t)(b * H_kv + h) * nsu + split) * REP;
-#pragma unroll
-  for (int r = 0; r < REP; ++r) {
-    l[r] = kivi_warp_sum(l[r]);
-#pragma unroll
-    for (int o = LR; o < 32; o <<= 1)
-#pragma unroll
-      for (int j = 0; j < CPL; ++j) acc[r][j] += __shfl_xor_sync(KIVI_FULL, acc[r][j], o);
-  }
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < REP; ++r) {
-      part_ml[(oi + r) * 2] = m[r];
-      part_ml[(oi + r) * 2 + 1] = l[r];
-    }
-  }
-  if (lane < LR && m[0] != KIVI_NEG_INF) {
-#pragma unroll
-    for (int r = 0; r < REP; ++r) {
-      float4* dst = reinterpret_cast<float4*>(part_acc + (oi + r) * D + cc * CPL);
-#pragma unroll
-      for (int k = 0; k < CPL / 4; ++k)
-        dst[k] = make_float4(acc[r][4 * k], acc[r][4 * k + 1], acc[r][4 * k + 2],
-                             acc[r][4 * k + 3]);
-    }
-  }
-"""
-
 # Grid: B * H_q blocks of D threads. out [B, H_q, D] in T.
 MERGE_SOURCE = r"""
   const int bh = blockIdx.x;   // b * H_q + query head = (b * H_kv + h) * REP + r
@@ -919,29 +582,6 @@ def _build():
 
 ATTEND_KERNEL, MERGE_KERNEL, FLUSH_KERNEL = _build()
 
-VARIANT_ENV = "KIVIQ_KIVI_KERNEL"  # "v1" or "v2": which split kernel runs
-DEFAULT_VARIANT = "v1"  # measured: v2 is slower at large shapes (see below)
-_V2_KERNELS: dict = {}
-
-
-def attend_kernel_v2(rep: int):
-    """The v2 split kernel for this rep's register class (built once per class)."""
-    mb = v2_min_blocks(rep)
-    k = _V2_KERNELS.get(mb)
-    if k is None and ATTEND_KERNEL is not None:
-        k = _V2_KERNELS[mb] = mx.fast.cuda_kernel(
-            name=f"kivi_attend_split_v2_mb{mb}", input_names=ATTEND_INPUTS,
-            output_names=ATTEND_OUTPUTS, source=ATTEND_SOURCE_V2, header=header_v2(rep))
-    return k
-
-
-def variant() -> str:
-    v = os.environ.get(VARIANT_ENV, DEFAULT_VARIANT).lower()
-    if v not in ("v1", "v2"):
-        raise ValueError(f"{VARIANT_ENV} must be v1 or v2, got {v!r}")
-    return v
-
-
 # ----------------------------------------------------------------------------------
 # Host side, shared with the Metal backend (kernels.kivi_metal).
 
@@ -1020,7 +660,6 @@ def kivi_decode_attend(
     scale: float,
     bits: int,
     group_size: int = 32,
-    kernel_variant: str | None = None,
 ) -> mx.array:
     """One decode step of attention over the KIVI pool: 2 CUDA launches.
 
@@ -1036,8 +675,6 @@ def kivi_decode_attend(
         scale: softmax scale.
         bits: b in {2, 4, 8}.
         group_size: G.
-        kernel_variant: "v1" or "v2" split kernel; None reads KIVIQ_KIVI_KERNEL
-            (default DEFAULT_VARIANT).
 
     Returns:
         [B, H_q, D] in q's dtype.
@@ -1050,35 +687,17 @@ def kivi_decode_attend(
         q, pool, block_tables, num_blocks, slots, tail_lens, scale=scale, bits=bits,
         group_size=group_size)
     t_split, t_merge = attend_templates(q, pool, bits=bits, group_size=group_size, rep=rep)
-    v = (kernel_variant or variant()).lower()
-    split_kernel = attend_kernel_v2(rep) if v == "v2" else ATTEND_KERNEL
-    part_acc, part_ml = split_kernel(template=t_split, **attend)
+    part_acc, part_ml = ATTEND_KERNEL(template=t_split, **attend)
     return MERGE_KERNEL(inputs=[part_acc, part_ml, params], template=t_merge, **merge)[0]
 
 
 def flush_prepare(pool: KiviPool, slots, new_block_ids, tail_lens, *, bits: int,
                   group_size: int):
     """Validate like `flush_tails`; returns (slots, ids) as int32 arrays, or None if F=0."""
-    g = group_size
-    _, _, d, row = pool.k_codes.shape
-    check_layout(bits, g, d)
-    if row * (8 // bits) != g:
-        raise ValueError(f"pool was built for G={row * (8 // bits)}, not {g}")
+    d = pool.k_codes.shape[2]
     if d not in HEAD_DIMS:
         raise ValueError(f"flush kernel: head_dim {d} not in {HEAD_DIMS}")
-    slots = mx.array(slots).astype(mx.int32)
-    ids = mx.array(new_block_ids).astype(mx.int32)
-    f = slots.shape[0]
-    if f == 0:
-        return None
-    lens = mx.array(tail_lens).tolist()
-    if ids.shape[0] != f or len(lens) != f:
-        raise ValueError("slots, new_block_ids and tail_lens must have the same length")
-    if min(lens) < g:
-        raise ValueError(f"every flushed tail needs >= G={g} tokens, got {lens}")
-    if len(set(slots.tolist())) != f or len(set(ids.tolist())) != f:
-        raise ValueError("slots and new_block_ids must not repeat")
-    return slots, ids
+    return check_flush_args(pool, slots, new_block_ids, tail_lens, bits=bits, group_size=group_size)
 
 
 def flush_apply(pool: KiviPool, slots, ids, rows_k, rows_v, quantized, group_size):

@@ -227,6 +227,38 @@ def decode_attention_dense(
     return (p @ v.astype(mx.float32)).reshape(h_q, d).astype(q.dtype)
 
 
+def check_flush_args(pool: KiviPool, slots, new_block_ids, tail_lens, *, bits: int,
+                     group_size: int) -> tuple[mx.array, mx.array] | None:
+    """Validate a flush request (shared by the reference and the kernels).
+
+    Returns:
+        (slots, new_block_ids) as int32 arrays, or None when nothing flushes.
+
+    Raises:
+        ValueError: mismatched lengths, a tail shorter than G, repeated slots or
+            block ids, or a pool built for another layout.
+    """
+    g = group_size
+    _, _, d, row = pool.k_codes.shape
+    check_layout(bits, g, d)
+    if row * (8 // bits) != g:
+        raise ValueError(f"pool was built for G={row * (8 // bits)}, not {g}")
+    slots = mx.array(slots).astype(mx.int32)
+    ids = mx.array(new_block_ids).astype(mx.int32)
+    f = slots.shape[0]
+    if f == 0:
+        return None
+    # A host sync, once per G decode steps: cheap, and a bad flush corrupts silently.
+    lens = mx.array(tail_lens).tolist()
+    if ids.shape[0] != f or len(lens) != f:
+        raise ValueError("slots, new_block_ids and tail_lens must have the same length")
+    if min(lens) < g:
+        raise ValueError(f"every flushed tail needs >= G={g} tokens, got {lens}")
+    if len(set(slots.tolist())) != f or len(set(ids.tolist())) != f:
+        raise ValueError("slots and new_block_ids must not repeat")
+    return slots, ids
+
+
 def flush_tails(
     pool: KiviPool,
     slots: mx.array,
@@ -255,23 +287,10 @@ def flush_tails(
         The same pool object, for chaining.
     """
     g = group_size
-    nb_, h_kv, d, row = pool.k_codes.shape
-    check_layout(bits, g, d)
-    if row * (8 // bits) != g:
-        raise ValueError(f"pool was built for G={row * (8 // bits)}, not {g}")
-    slots = mx.array(slots).astype(mx.int32)
-    ids = mx.array(new_block_ids).astype(mx.int32)
-    f = slots.shape[0]
-    if f == 0:
+    checked = check_flush_args(pool, slots, new_block_ids, tail_lens, bits=bits, group_size=g)
+    if checked is None:
         return pool
-    # A host sync, once per G decode steps: cheap, and a bad flush corrupts silently.
-    lens = mx.array(tail_lens).tolist()
-    if ids.shape[0] != f or len(lens) != f:
-        raise ValueError("slots, new_block_ids and tail_lens must have the same length")
-    if min(lens) < g:
-        raise ValueError(f"every flushed tail needs >= G={g} tokens, got {lens}")
-    if len(set(slots.tolist())) != f or len(set(ids.tolist())) != f:
-        raise ValueError("slots and new_block_ids must not repeat")
+    slots, ids = checked
 
     # rows: [F, H_kv, R + G, D]. Evaluated before any write: on the GPU a still
     # pending read of a tail (this gather) keeps MLX from updating it in place, and

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 from engine import Engine, Request, SamplingParams
 from engine.kivi_cache import attention_shape, install_attention_hook, model_dtype
 from engine.kv_store import KiviStore, KVConfig
+from engine_runs import run_engine as run
 
 # Small G and R so that short test prompts already live mostly in quantized blocks.
 KV = KVConfig(bits=4, group_size=16, residual=32)
@@ -19,22 +18,6 @@ def make_engine(model, tok, *, blocks=256, slots=16, reserve_tokens=64, max_batc
     layers, h_kv, d = attention_shape(model)
     store = KiviStore(layers, h_kv, d, config=KV, num_blocks=blocks, num_slots=slots, dtype=model_dtype(model))
     return Engine(model, tok, store, max_batch_tokens=max_batch_tokens, reserve_tokens=reserve_tokens)
-
-
-def run(engine: Engine, requests: list[Request], join_every: int = 0) -> dict[str, list[int]]:
-    """Feed requests (one every `join_every` steps, or all at once) until done."""
-    out = {r.request_id: [] for r in requests}
-    pending, step = list(requests), 0
-    while pending or engine.has_work():
-        while pending and (join_every == 0 or step % join_every == 0):
-            engine.add(pending.pop(0))
-            if join_every:
-                break
-        for ev in engine.step():
-            assert ev.finish_reason != "error", ev.error
-            out[ev.request_id] += ev.token_ids
-        step += 1
-    return out
 
 
 def prompts(tok, n):

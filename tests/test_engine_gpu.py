@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from engine_runs import run_engine
 from kernels import dispatch
 
 pytestmark = [
@@ -36,17 +37,7 @@ def generate(model, tok, requests, *, bits, join_every=0):
     from engine import build_engine
 
     engine = build_engine(model, tok, kv_bits=bits, kv_memory=2 << 30, max_sequences=16)
-    out = {r.request_id: [] for r in requests}
-    pending, step = list(requests), 0
-    while pending or engine.has_work():
-        while pending and (join_every == 0 or step % join_every == 0):
-            engine.add(pending.pop(0))
-            if join_every:
-                break
-        for ev in engine.step():
-            assert ev.finish_reason != "error", ev.error
-            out[ev.request_id] += ev.token_ids
-        step += 1
+    out = run_engine(engine, requests, join_every)
     assert engine.kv_store.used_bytes() == 0
     return out
 

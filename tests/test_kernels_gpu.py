@@ -222,26 +222,6 @@ def test_decode_matches_reference(bits, dtype, d, h_kv, rep):
         check_close(out, ref, dtype, f"{name} bits={bits} d={d} kv={h_kv} rep={rep}")
 
 
-V2_PARAMS = [PARAMS[i] for i in (0, 1, 5, 6, 9, 11)]  # bits 2/4/8, fp16+bf16, D 64+128, rep 1/3/4/8
-
-
-@pytest.mark.parametrize("bits,dtype,d,h_kv,rep", V2_PARAMS,
-                         ids=[f"b{p[0]}-{p[1]}-d{p[2]}-kv{p[3]}x{p[4]}".replace("mlx.core.", "")
-                              for p in V2_PARAMS])
-@pytest.mark.parametrize("variant", ["v1", "v2"])
-@pytest.mark.gpu
-@NEEDS_GPU
-def test_decode_kernel_variants_match_reference(variant, bits, dtype, d, h_kv, rep):
-    """Both CUDA split kernels (KIVIQ_KIVI_KERNEL=v1|v2), whatever the default."""
-    if kivi_cuda.ATTEND_KERNEL is None:
-        pytest.skip("CUDA only")
-    rng = np.random.default_rng(bits * 1000 + d + rep + 7)
-    for name, lens in CASES.items():
-        args = make_case(rng, lens=lens, h_kv=h_kv, rep=rep, d=d, bits=bits, dtype=dtype)
-        out = kivi_cuda.kivi_decode_attend(*args, scale=d**-0.5, bits=bits,
-                                           kernel_variant=variant)
-        ref = oracle(*args, scale=d**-0.5, bits=bits)
-        check_close(out, ref, dtype, f"{variant} {name} bits={bits} d={d} rep={rep}")
 
 
 LONG = [  # the 32k cases: few combos, so the run stays short

@@ -12,7 +12,6 @@ import math
 import random
 import threading
 import time
-import unicodedata
 from pathlib import Path
 
 import mlx.core as mx

@@ -31,7 +31,6 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
-from engine.request import StepEvent
 from engine.setup import context_length
 from jobs.keys import TASK_PATH, cancel_flag, max_queued_key, queue_names, replay_log
 from jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, Timing, Usage
