@@ -189,7 +189,7 @@ def test_rolling_token_rates():
 
 
 def test_observe_engine_step_reads_the_engine():
-    store = SimpleNamespace(used_bytes=lambda: 300, num_blocks=10, block_bytes=50, num_slots=4, slot_bytes=125)
+    store = SimpleNamespace(used_bytes=lambda: 300, budget_bytes=lambda: 10 * 50 + 4 * 125)
     sched = SimpleNamespace(running=[1, 2], prefilling=[3], waiting=[4, 5, 6, 7])
     engine = SimpleNamespace(stats={"decode_tokens": 5, "prefill_tokens": 40}, kv_store=store, scheduler=sched)
     m = WorkerMetrics(clock=FakeClock())
