@@ -48,9 +48,10 @@ if TYPE_CHECKING:
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 OPENAI_LINE_KEYS = {"custom_id", "method", "url", "body"}
-# OpenAI body fields kiviq maps (model is ignored; n must be 1).
+# OpenAI body fields kiviq maps (model is ignored; n must be 1). Logprobs: chat
+# takes ``logprobs: bool`` + ``top_logprobs: N``, completions ``logprobs: N``.
 OPENAI_BODY_FIELDS = {"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                      "stop", "seed", "model", "n"}
+                      "stop", "seed", "model", "n", "logprobs", "top_logprobs"}
 # kiviq's own sampling/scheduling fields, accepted in an OpenAI body too
 # (as vLLM accepts top_k etc.).
 KIVIQ_BODY_FIELDS = {"top_k", "min_p", "repetition_penalty", "priority", "timeout_s"}
@@ -140,6 +141,9 @@ def openai_body_fields(url: Any, body: Any) -> dict[str, Any]:
     if unknown:
         raise LineError("; ".join(f"body.{k}: not supported" for k in unknown))
     fields = {k: v for k, v in body.items() if k not in ("model", "n", "max_completion_tokens")}
+    for k in ("logprobs", "top_logprobs"):
+        if k in fields and fields[k] is None:  # OpenAI's explicit "off"
+            del fields[k]
     if "n" in body and body["n"] != 1:
         raise LineError("body.n: only n=1 is supported")
     if "max_completion_tokens" in body:
@@ -154,6 +158,11 @@ def openai_body_fields(url: Any, body: Any) -> dict[str, Any]:
             fields["prompt"] = prompt[0]  # OpenAI also takes a one-prompt list
         if "prompt" not in body:
             raise LineError(f"body.prompt: required for {COMPLETIONS_URL}")
+        if "top_logprobs" in body:
+            raise LineError(f"body.top_logprobs: not valid for {COMPLETIONS_URL} (its logprobs is the count)")
+        count = fields.get("logprobs")
+        if isinstance(count, int) and not isinstance(count, bool):  # legacy completions: logprobs=N
+            fields["logprobs"], fields["top_logprobs"] = True, count
     else:
         if "prompt" in body:
             raise LineError(f"body.prompt: not valid for {CHAT_URL} (use {COMPLETIONS_URL})")
@@ -220,7 +229,7 @@ def idempotency_key(in_path: str, custom_id: str, request: GenerateRequest) -> s
     """The key of a line's job: the same input file, custom_id and request
     (after defaults) give the same job, so a rerun finds it."""
     ident = json.dumps([os.path.realpath(in_path), custom_id,
-                        request.model_dump(mode="json", exclude={"idempotency_key"})], sort_keys=True)
+                        request.job_args(exclude={"idempotency_key"})], sort_keys=True)
     return "bulk-" + hashlib.sha256(ident.encode()).hexdigest()[:40]
 
 
@@ -230,7 +239,7 @@ def idempotency_key(in_path: str, custom_id: str, request: GenerateRequest) -> s
 def ok_record(line: BulkLine, event: StreamEvent) -> dict[str, Any]:
     result = event.result
     usage = result.usage
-    return {
+    record = {
         "id": event.job_id, "custom_id": line.custom_id, "line": line.line_no,
         "response": {"status_code": 200, "body": {
             "text": result.text,
@@ -240,6 +249,9 @@ def ok_record(line: BulkLine, event: StreamEvent) -> dict[str, Any]:
         }},
         "error": None,
     }
+    if result.logprobs is not None:  # OpenAI chat's shape: {"content": [{token, logprob, top_logprobs}, ...]}
+        record["response"]["body"]["logprobs"] = {"content": [t.model_dump(mode="json") for t in result.logprobs]}
+    return record
 
 
 def error_record(line: BulkLine, message: str, code: str, job_id: str | None = None) -> dict[str, Any]:

@@ -66,6 +66,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     client = Client(args.redis_url)
     fields = dict(max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.logprobs is not None:
+        fields.update(logprobs=True, top_logprobs=args.logprobs)
     if args.raw:
         handle = client.submit(prompt=args.prompt, **fields)
     else:
@@ -73,6 +75,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for delta in handle.stream(timeout=args.timeout):
         print(delta, end="", flush=True)
     print()
+    if args.logprobs is not None:
+        for t in handle.result(timeout=args.timeout).logprobs or []:
+            alternatives = "  ".join(f"{a.token!r} {a.logprob:.3f}" for a in t.top_logprobs)
+            print(f"{t.token!r:>16} {t.logprob:8.3f}" + (f"   | {alternatives}" if alternatives else ""))
     return 0
 
 
@@ -169,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--raw", action="store_true", help="send as a raw completion prompt (no chat template)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="after the text, print each token's logprob and its N most likely alternatives (0..20)")
     g.add_argument("--timeout", type=float, default=600.0)
     g.add_argument("--redis-url", default=None)
     g.set_defaults(func=cmd_generate)

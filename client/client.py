@@ -120,7 +120,8 @@ class Client:
         Args:
             prompt: raw completion prompt (or pass ``messages=[...]`` for chat).
             **fields: any other GenerateRequest field (max_tokens, temperature,
-                top_p, stop, seed, priority, timeout_s, idempotency_key, ...).
+                top_p, stop, seed, priority, timeout_s, idempotency_key,
+                ``logprobs=True`` with optional ``top_logprobs=N`` (0..20), ...).
 
         Returns:
             A JobHandle. With an idempotency key that was submitted before,
@@ -149,7 +150,7 @@ class Client:
         try:
             job = queue.enqueue_call(
                 TASK_PATH,
-                args=(request.model_dump(mode="json", exclude_none=True),),
+                args=(request.job_args(exclude_none=True),),
                 timeout=-1,  # a batch worker enforces per-job deadlines itself
                 result_ttl=RESULT_TTL_S,
                 failure_ttl=FAILURE_TTL_S,

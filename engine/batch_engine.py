@@ -18,7 +18,7 @@ import mlx.nn as nn
 from engine.detokenizer import make_detokenizer
 from engine.kv_store import KiviStore
 from engine.model_runner import ModelRunner
-from engine.request import Request, StepEvent
+from engine.request import Request, StepEvent, TokenLogprob
 from engine.sampler import RowState, sample
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -139,13 +139,14 @@ class Engine:
     def _decode(self, seqs: list[Sequence]) -> list[StepEvent]:
         try:
             logits = self.runner.decode([s.kv for s in seqs], [s.generated[-1] for s in seqs])
-            tokens = sample(logits, [s.runtime.row for s in seqs])
-            self.runner.settle(tokens)
+            sampled = sample(logits, [s.runtime.row for s in seqs])
+            self.runner.settle(*sampled.arrays())
         except Exception as e:  # the batch cannot tell whose fault: all end
             log.exception("decode step failed")
             return [self._end(s, [], "", "error", f"{type(e).__name__}: {e}") for s in seqs]
         self.stats["decode_tokens"] += len(seqs)
-        return [self._emit(s, t) for s, t in zip(seqs, tokens.tolist())]
+        tokens = sampled.tokens.tolist()
+        return [self._emit(s, t, lp) for s, t, lp in zip(seqs, tokens, sampled.row_logprobs(tokens))]
 
     def _prefill(self, seq: Sequence, n: int) -> list[StepEvent]:
         chunk = seq.context[seq.prefilled: seq.prefilled + n]
@@ -155,20 +156,21 @@ class Engine:
             if seq.prefilled < seq.num_tokens:
                 self.runner.settle()
                 return []
-            token = sample(logits[None], [seq.runtime.row])
-            self.runner.settle(token)
+            sampled = sample(logits[None], [seq.runtime.row])
+            self.runner.settle(*sampled.arrays())
         except Exception as e:  # a sequence that fails in its own prefill fails alone
             log.exception("prefill of %s failed", seq.request_id)
             return [self._end(seq, [], "", "error", f"{type(e).__name__}: {e}")]
         self.stats["prefill_tokens"] += n
         self.scheduler.prefill_done(seq)
-        return [self._emit(seq, int(token.item()))]
+        tokens = sampled.tokens.tolist()
+        return [self._emit(seq, tokens[0], sampled.row_logprobs(tokens)[0])]
 
     def _prefill_new(self, seqs: list[Sequence]) -> list[StepEvent]:
         try:
             logits = self.runner.prefill_new([s.kv for s in seqs], [s.context for s in seqs])
-            tokens = sample(logits, [s.runtime.row for s in seqs])
-            self.runner.settle(tokens)
+            sampled = sample(logits, [s.runtime.row for s in seqs])
+            self.runner.settle(*sampled.arrays())
         except Exception as e:  # cannot tell whose fault: retry each alone next step
             log.warning("batched prefill failed (%s); prefilling one by one", e)
             for s in seqs:
@@ -177,28 +179,33 @@ class Engine:
                 s.prefilled = 0
             return [ev for s in seqs for ev in self._prefill(s, s.num_tokens)]
         events = []
-        for s, token in zip(seqs, tokens.tolist()):
+        tokens = sampled.tokens.tolist()
+        for s, token, lp in zip(seqs, tokens, sampled.row_logprobs(tokens)):
             s.prefilled = s.num_tokens
             self.stats["prefill_tokens"] += s.num_tokens
             self.scheduler.prefill_done(s)
-            events.append(self._emit(s, token))
+            events.append(self._emit(s, token, lp))
         return events
 
     # ---- tokens -> events -------------------------------------------------
 
-    def _emit(self, seq: Sequence, token: int) -> StepEvent:
+    def _emit(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> StepEvent:
         rt, req = seq.runtime, seq.request
         if token in self.tokenizer.eos_token_ids:
-            return self._finish(seq, [], "stop")
+            return self._finish(seq, [], "stop")  # EOS is not emitted, nor its logprob
         seq.generated.append(token)
         rt.row.history.append(token)
         rt.detokenizer.add_token(token)
         text, stopped = rt.stopper.push(rt.detokenizer.last_segment)
         if stopped:
-            return self._end(seq, [token], text, "stop")
-        if len(seq.generated) >= req.max_tokens:
-            return self._finish(seq, [token], "length", text)
-        return StepEvent(seq.request_id, [token], text, prompt_tokens=len(req.prompt_tokens))
+            event = self._end(seq, [token], text, "stop")
+        elif len(seq.generated) >= req.max_tokens:
+            event = self._finish(seq, [token], "length", text)
+        else:
+            event = StepEvent(seq.request_id, [token], text, prompt_tokens=len(req.prompt_tokens))
+        if logprob is not None:
+            event.logprobs = [logprob]
+        return event
 
     def _finish(self, seq: Sequence, token_ids: list[int], reason: str, text: str = "") -> StepEvent:
         """End with whatever text the detokenizer and stop matcher still hold."""

@@ -18,6 +18,11 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    logprobs: int | None = None  # None: no logprobs; N: the chosen token's and the N most likely
+
+    def __post_init__(self):
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError("logprobs must be None or >= 0")
 
     @property
     def greedy(self) -> bool:
@@ -53,12 +58,23 @@ class Request:
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """A generated token's logprob and the most likely alternatives
+    (``top``: (token id, logprob) pairs, best first; see engine.sampler)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class StepEvent:
     """What one engine step produced for one request.
 
     ``finish_reason`` is set on the request's last event ("stop", "length",
     "timeout", "cancelled" or "error"); ``error`` carries the reason for
-    "error".
+    "error". ``logprobs`` is aligned with ``token_ids`` when the request asked
+    for logprobs, else None.
     """
 
     request_id: str
@@ -67,3 +83,4 @@ class StepEvent:
     finish_reason: str | None = None
     error: str | None = None
     prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None

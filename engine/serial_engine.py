@@ -23,7 +23,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from engine.detokenizer import make_detokenizer
-from engine.request import Request, StepEvent
+from engine.request import Request, StepEvent, TokenLogprob
+from engine.sampler import Sampled, gather_logprobs
 from engine.stop import StopMatcher, final_text
 
 CacheFactory = Callable[[nn.Module], list[Any]]
@@ -156,8 +157,9 @@ class SerialEngine:
             prompt = prompt[chunk.size :]
         run.next_input = prompt
 
-    def _sample(self, run: _Running) -> int:
-        """One forward on ``next_input``; returns the sampled token."""
+    def _sample(self, run: _Running) -> tuple[int, TokenLogprob | None]:
+        """One forward on ``next_input``; returns the sampled token and, if
+        the request asks, its logprobs (defined as in engine.sampler)."""
         tokens = run.next_input
         logits = self.model(tokens[None], cache=run.cache)[:, -1, :]
         if run.processors:
@@ -166,25 +168,41 @@ class SerialEngine:
             logits = processor(run.history, logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         token = run.sampler(logprobs)
-        mx.eval(token)
-        run.next_input = token.reshape(1)
-        return int(token.item())
+        s = run.request.sampling
+        if s.logprobs is None:
+            mx.eval(token)
+            run.next_input = token.reshape(1)
+            return int(token.item()), None
+        # As the batch engine reports them: float32, at the request's temperature
+        # (mlx-lm's own logprobs above are in the model's dtype, at T = 1).
+        scaled = logits.astype(mx.float32) / (1.0 if s.greedy else s.temperature)
+        scaled = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+        token = token.reshape(1)
+        sampled = Sampled(token, [s.logprobs], *gather_logprobs(scaled, token, s.logprobs))
+        mx.eval(*sampled.arrays())
+        run.next_input = token
+        tokens = token.tolist()
+        return tokens[0], sampled.row_logprobs(tokens)[0]
 
     def _advance(self, run: _Running) -> StepEvent:
         req = run.request
         if req.deadline is not None and time.monotonic() >= req.deadline:
             return self._finish(run, [], "timeout")
-        token = self._sample(run)
+        token, logprob = self._sample(run)
         if token in self.tokenizer.eos_token_ids:
             return self._finish(run, [], "stop")
         run.generated.append(token)
         run.detokenizer.add_token(token)
         text, stopped = run.stopper.push(run.detokenizer.last_segment)
         if stopped:
-            return StepEvent(req.request_id, [token], text, "stop")
-        if len(run.generated) >= req.max_tokens:
-            return self._finish(run, [token], "length", text)
-        return StepEvent(req.request_id, [token], text)
+            event = StepEvent(req.request_id, [token], text, "stop")
+        elif len(run.generated) >= req.max_tokens:
+            event = self._finish(run, [token], "length", text)
+        else:
+            event = StepEvent(req.request_id, [token], text)
+        if logprob is not None:
+            event.logprobs = [logprob]
+        return event
 
     def _finish(self, run: _Running, token_ids: list[int], reason: str, text: str = "") -> StepEvent:
         tail, stopped = final_text(run.detokenizer, run.stopper)

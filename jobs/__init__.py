@@ -9,6 +9,8 @@ from jobs.models import (
     GenerationResult,
     StreamEvent,
     Timing,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 from jobs.validation import InvalidRequest, validate_request
@@ -23,6 +25,8 @@ __all__ = [
     "Priority",
     "StreamEvent",
     "Timing",
+    "TokenLogprob",
+    "TopLogprob",
     "Usage",
     "event_channel",
     "queue_name",

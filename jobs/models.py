@@ -9,15 +9,16 @@ the same field-named message a client would have seen at submit.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from jobs.keys import Priority
 
 MAX_PROMPT_CHARS = 1_000_000  # payload bound: keeps one job from filling Redis
 MAX_NEW_TOKENS = 32_768
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 class FinishReason(str, Enum):
@@ -61,6 +62,8 @@ class GenerateRequest(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
+    logprobs: bool = False  # each generated token's logprob in events and the result
+    top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)  # with logprobs: the N most likely tokens too
     priority: Priority = Priority.default
     timeout_s: float | None = Field(default=None, gt=0.0, le=7 * 24 * 3600)
     idempotency_key: str | None = Field(
@@ -80,11 +83,27 @@ class GenerateRequest(BaseModel):
                 raise ValueError("each stop string must have 1 to 256 characters")
         return value
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value: int, info: ValidationInfo) -> int:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("requires logprobs=true")
+        return value
+
     @model_validator(mode="after")
     def _prompt_xor_messages(self) -> "GenerateRequest":
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         return self
+
+    def job_args(self, **dump_options: Any) -> dict[str, Any]:
+        """The request as JSON-ready job data. Logprob fields appear only when
+        asked for, so other jobs are exactly as before they existed (workers
+        that predate them accept them; bulk idempotency keys do not move)."""
+        exclude = set(dump_options.pop("exclude", None) or ())
+        if not self.logprobs:
+            exclude |= {"logprobs", "top_logprobs"}
+        return self.model_dump(mode="json", exclude=exclude, **dump_options)
 
 
 class Usage(BaseModel):
@@ -103,6 +122,20 @@ class Timing(BaseModel):
     decode_tokens_per_s: float = 0.0
 
 
+class TopLogprob(BaseModel):
+    token_id: int
+    token: str  # the token's text on its own (a partial UTF-8 character shows as U+FFFD)
+    logprob: float
+
+
+class TokenLogprob(TopLogprob):
+    """One generated token (OpenAI's ``logprobs.content`` item, plus ids).
+    Logprobs are log_softmax(logits / temperature) before top-k/top-p/min-p
+    (temperature 1 for greedy requests); -9999.0 stands for -inf."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)  # best first
+
+
 class GenerationResult(BaseModel):
     job_id: str
     text: str
@@ -110,6 +143,7 @@ class GenerationResult(BaseModel):
     finish_reason: FinishReason
     usage: Usage
     timing: Timing = Field(default_factory=Timing)
+    logprobs: list[TokenLogprob] | None = None  # aligned with token_ids; None unless requested
 
 
 class StreamEvent(BaseModel):
@@ -123,3 +157,4 @@ class StreamEvent(BaseModel):
     finish_reason: FinishReason | None = None
     error: str | None = None
     result: GenerationResult | None = None
+    logprobs: list[TokenLogprob] | None = None  # token events of requests that asked; aligned with token_ids

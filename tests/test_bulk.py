@@ -62,6 +62,38 @@ def test_openai_chat_line_maps_messages_and_parts():
     assert line.request.max_tokens == 7
 
 
+def test_openai_logprobs_fields_map():
+    chat = parse_line(json.dumps({"url": "/v1/chat/completions", "body": {
+        "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 4}}), 1)
+    assert (chat.request.logprobs, chat.request.top_logprobs) == (True, 4)
+    legacy = parse_line(json.dumps({"url": "/v1/completions", "body": {"prompt": "Hi", "logprobs": 2}}), 2)
+    assert (legacy.request.logprobs, legacy.request.top_logprobs) == (True, 2)
+    off = parse_line(json.dumps({"url": "/v1/chat/completions", "body": {
+        "messages": [{"role": "user", "content": "Hi"}], "logprobs": None, "top_logprobs": None}}), 3)
+    assert off.error is None and not off.request.logprobs
+    bad = parse_line(json.dumps({"url": "/v1/chat/completions", "body": {
+        "messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 4}}), 4)
+    assert "top_logprobs" in bad.error
+    bad = parse_line(json.dumps({"url": "/v1/completions", "body": {"prompt": "Hi", "top_logprobs": 4}}), 5)
+    assert "body.top_logprobs" in bad.error
+
+
+def test_ok_record_carries_logprobs_only_when_present():
+    from client.bulk import ok_record
+    from jobs.models import TokenLogprob, TopLogprob
+
+    line = parse_line(json.dumps({"prompt": "Hi"}), 1)
+    result = GenerationResult(job_id="j", text=" a", token_ids=[7], finish_reason=FinishReason.length,
+                              usage=Usage(prompt_tokens=1, completion_tokens=1))
+    done = StreamEvent(job_id="j", seq=1, type=EventType.done, result=result)
+    assert "logprobs" not in ok_record(line, done)["response"]["body"]
+    result.logprobs = [TokenLogprob(token_id=7, token=" a", logprob=-0.5,
+                                    top_logprobs=[TopLogprob(token_id=7, token=" a", logprob=-0.5)])]
+    body = ok_record(line, done)["response"]["body"]
+    assert body["logprobs"] == {"content": [{"token_id": 7, "token": " a", "logprob": -0.5, "top_logprobs": [
+        {"token_id": 7, "token": " a", "logprob": -0.5}]}]}
+
+
 def test_plain_lines_and_defaults():
     line = parse_line('{"prompt": "x"}', 9, {"max_tokens": 4, "temperature": 0.3})
     assert line.custom_id == "line-9" and line.request.max_tokens == 4 and line.request.temperature == 0.3
@@ -77,7 +109,9 @@ def test_plain_lines_and_defaults():
     ('{"prompt": "x", "max_tokens": 0}', "max_tokens", "invalid_request"),
     ('{"prompt": "x", "idempotency_key": "k"}', "idempotency_key", "invalid_request"),
     ('{"custom_id": 5, "prompt": "x"}', "custom_id", "invalid_request"),
-    ('{"url": "/v1/completions", "body": {"prompt": "x", "logprobs": 2}}', "body.logprobs", "invalid_request"),
+    ('{"url": "/v1/completions", "body": {"prompt": "x", "presence_penalty": 1}}', "body.presence_penalty",
+     "invalid_request"),
+    ('{"url": "/v1/completions", "body": {"prompt": "x", "logprobs": 21}}', "top_logprobs", "invalid_request"),
     ('{"url": "/v1/completions", "body": {"prompt": "x", "n": 2}}', "body.n", "invalid_request"),
     ('{"url": "/v1/embeddings", "body": {"input": "x"}}', "url", "invalid_request"),
     ('{"method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}}', "method", "invalid_request"),

@@ -35,6 +35,10 @@ def fake():
     (dict(), "messages"),
     (dict(messages=[{"role": "wizard", "content": "y"}]), "messages.0.role"),
     (dict(prompt="x", unknown=1), "unknown"),
+    (dict(prompt="x", logprobs="sometimes"), "logprobs"),
+    (dict(prompt="x", top_logprobs=3), "top_logprobs"),  # needs logprobs=True
+    (dict(prompt="x", logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(prompt="x", logprobs=True, top_logprobs=-1), "top_logprobs"),
 ])
 def test_invalid_requests_name_the_field(fields, named):
     with pytest.raises(InvalidRequest) as info:
@@ -74,3 +78,20 @@ def test_idempotency_key_returns_the_existing_job(fake):
     second = client.submit(prompt="hello", idempotency_key="order-42")
     assert first.job_id == second.job_id
     assert Queue(queue_name("default"), connection=fake).count == 1
+
+
+def test_top_logprobs_without_logprobs_is_named_as_the_field():
+    with pytest.raises(InvalidRequest) as info:
+        validate_request(dict(prompt="x", top_logprobs=2))
+    assert info.value.fields == ["top_logprobs"]
+    assert validate_request(dict(prompt="x", logprobs=True, top_logprobs=20)).top_logprobs == 20
+
+
+def test_logprob_fields_reach_the_job_only_when_asked(fake):
+    client = Client(connection=fake)
+    queue = Queue(queue_name("default"), connection=fake, serializer=JSONSerializer)
+    plain = queue.fetch_job(client.submit(prompt="hello").job_id).args[0]
+    assert "logprobs" not in plain and "top_logprobs" not in plain  # as before the fields existed
+    asked = queue.fetch_job(client.submit(prompt="hello", logprobs=True, top_logprobs=2).job_id).args[0]
+    assert asked["logprobs"] is True and asked["top_logprobs"] == 2
+    assert validate_request(asked).top_logprobs == 2

@@ -11,7 +11,7 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from client import Client, InvalidRequest, JobFailed
-from jobs.keys import TASK_PATH, queue_name
+from jobs.keys import TASK_PATH, queue_name, replay_log
 
 PROMPTS = [
     "The three primary colors are",
@@ -59,6 +59,34 @@ def test_chat_capital_of_france_with_kivi_4bit(worker_process, redis_url):
     assert "KV cache: KIVI 4-bit" in worker_process.log_path.read_text()
 
 
+def test_logprobs_in_stream_and_result_only_when_asked(worker_process, redis_url, redis_conn):
+    client = Client(redis_url)
+    prompt = "The three primary colors are"
+    asked = client.submit(prompt=prompt, max_tokens=10, logprobs=True, top_logprobs=3)
+    plain = client.submit(prompt=prompt, max_tokens=10)  # batched with the first
+    r = asked.result(timeout=300)
+    assert [t.token_id for t in r.logprobs] == r.token_ids
+    assert "".join(t.token for t in r.logprobs) == r.text
+    for t in r.logprobs:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        assert t.top_logprobs[0].token_id == t.token_id  # greedy
+        assert t.top_logprobs[0].logprob == t.logprob
+        assert [a.logprob for a in t.top_logprobs] == sorted((a.logprob for a in t.top_logprobs), reverse=True)
+    tokens = [e for e in asked.events(timeout=10) if e.type.value == "token"]
+    assert all(len(e.logprobs) == len(e.token_ids) for e in tokens)
+    assert [t for e in tokens for t in e.logprobs] == r.logprobs
+    stored = Job.fetch(asked.job_id, connection=redis_conn, serializer=JSONSerializer).return_value()
+    assert len(stored["logprobs"]) == len(r.token_ids)
+
+    p = plain.result(timeout=300)
+    assert p.logprobs is None and p.token_ids == r.token_ids
+    # Nothing changes for a job that did not ask: not its job data, events or rq result.
+    job = Job.fetch(plain.job_id, connection=redis_conn, serializer=JSONSerializer)
+    assert "logprobs" not in job.args[0] and "top_logprobs" not in job.args[0]
+    assert all(b"logprobs" not in raw for raw in redis_conn.lrange(replay_log(plain.job_id), 0, -1))
+    assert "logprobs" not in job.return_value()
+
+
 def test_invalid_submit_names_field_and_enqueues_nothing(redis_url, redis_conn):
     client = Client(redis_url)
     cases = {
@@ -68,6 +96,7 @@ def test_invalid_submit_names_field_and_enqueues_nothing(redis_url, redis_conn):
         "bogus_field": dict(prompt="hi", bogus_field=1),
         "prompt": dict(prompt=""),
         "messages": dict(messages=[]),
+        "top_logprobs": dict(prompt="hi", top_logprobs=2),  # without logprobs=True
     }
     for field, kwargs in cases.items():
         with pytest.raises(InvalidRequest) as info:

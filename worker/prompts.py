@@ -45,7 +45,8 @@ def build_request(job_id: str, request: GenerateRequest, tokenizer: Any, max_con
         prompt_tokens=tokens,
         # Generation past the context window is not defined: cut it to fit.
         max_tokens=min(s.max_tokens, max_context - len(tokens)),
-        sampling=SamplingParams(s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty, s.seed),
+        sampling=SamplingParams(s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty, s.seed,
+                                logprobs=s.top_logprobs if s.logprobs else None),
         stop=list(s.stop),
         deadline=None if s.timeout_s is None else time.monotonic() + s.timeout_s,
     )

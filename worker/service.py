@@ -33,7 +33,7 @@ from rq.utils import now
 
 from engine.setup import context_length
 from jobs.keys import TASK_PATH, cancel_flag, max_queued_key, queue_names, replay_log
-from jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, Timing, Usage
+from jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, Timing, TokenLogprob, TopLogprob, Usage
 from jobs.publisher import EventPublisher
 from jobs.validation import validate_request
 from worker.prompts import build_request
@@ -44,6 +44,7 @@ log = logging.getLogger("kiviq.worker")
 HEARTBEAT_EVERY_S = min(5.0, ALIVE_TTL_S / 3)
 RECOVERY_EVERY_S = float(os.environ.get("KIVIQ_RECOVERY_EVERY_S", "30"))
 IDLE_DEQUEUE_TIMEOUT_S = 1  # blocking pop while idle; short so signals are seen
+LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinities)
 
 
 def describe_error(error: Exception) -> str:
@@ -64,6 +65,7 @@ class ActiveJob:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # a list when the request asked for them
 
 
 class BatchWorker(SimpleWorker):
@@ -100,6 +102,7 @@ class BatchWorker(SimpleWorker):
         self._last_heartbeat = 0.0
         self._last_recovery = 0.0
         self._stop_at: float | None = None
+        self._token_texts: dict[int, str] = {}
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -219,6 +222,8 @@ class BatchWorker(SimpleWorker):
             self._finish_failed(active, describe_error(e))
             return
         active.prompt_tokens = len(engine_request.prompt_tokens)
+        if engine_request.sampling.logprobs is not None:
+            active.logprobs = []
         self.engine.add(engine_request)
         if self.metrics is not None:
             self.metrics.job_admitted(job.id, self._queue_wait(job), queue.name)
@@ -282,14 +287,37 @@ class BatchWorker(SimpleWorker):
                 self.metrics.tokens(active.job.id, len(ev.token_ids))
             active.token_ids.extend(ev.token_ids)
             active.text.append(ev.text)
+            logprobs = None
+            if active.logprobs is not None and ev.token_ids:
+                logprobs = self._logprobs(ev.logprobs or [])
+                active.logprobs.extend(logprobs)
             if ev.text or ev.token_ids:
-                self._outbox_events.append(self._event(active, EventType.token, text=ev.text, token_ids=ev.token_ids))
+                self._outbox_events.append(self._event(active, EventType.token, text=ev.text, token_ids=ev.token_ids,
+                                                       logprobs=logprobs))
             if ev.finish_reason == FinishReason.error.value:
                 self._finish_failed(active, ev.error or "generation failed")
             elif ev.finish_reason is not None:
                 self._finish_ok(active, FinishReason(ev.finish_reason))
         if self.metrics is not None:
             self.metrics.observe_engine_step(self.engine, time.monotonic() - started)
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.engine.tokenizer.decode([token_id])
+        return text
+
+    def _logprobs(self, entries: list) -> list[TokenLogprob]:
+        """Engine logprobs -> the job contract's, with each token's text."""
+        def finite(lp: float) -> float:  # -inf (and NaN) would not survive JSON
+            return lp if lp >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+        out = []
+        for e in entries:
+            top = [TopLogprob(token_id=t, token=self._token_text(t), logprob=finite(lp)) for t, lp in e.top]
+            out.append(TokenLogprob(token_id=e.token_id, token=self._token_text(e.token_id),
+                                    logprob=finite(e.logprob), top_logprobs=top))
+        return out
 
     def _event(self, active: ActiveJob, type_: EventType, **fields) -> StreamEvent:
         event = StreamEvent(job_id=active.job.id, seq=active.next_seq, type=type_, **fields)
@@ -325,6 +353,7 @@ class BatchWorker(SimpleWorker):
             token_ids=active.token_ids,
             finish_reason=reason,
             usage=Usage(prompt_tokens=active.prompt_tokens, completion_tokens=n),
+            logprobs=active.logprobs,
             timing=Timing(
                 queue_s=self._queue_wait(active.job),
                 ttft_s=(first - active.admitted_at) if first else 0.0,
@@ -356,7 +385,7 @@ class BatchWorker(SimpleWorker):
         job = active.job
 
         def record() -> None:
-            job._result = result.model_dump(mode="json")
+            job._result = result.model_dump(mode="json", exclude_none=True)
             job._status = JobStatus.FINISHED
             self.handle_execution_ended(job, active.queue, job.success_callback_timeout)
             self.handle_job_success(job=job, queue=active.queue,
