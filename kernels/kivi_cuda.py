@@ -5,39 +5,57 @@ Same signatures and semantics as `kernels.kivi_reference.decode_attention` and
 `kernels.kivi_quant`. The kernels are built once at import and are None where MLX has
 no CUDA backend (`mx.cuda.is_available()` false); `kernels.dispatch` picks them.
 
-Decode attention: two launches per layer for all sequences.
-  1. `kivi_attend_split`: one warp per (sequence b, kv head h, split s), 4 warps per
-     thread block (the block's warps share (b, h) and stage its query rows once).
-     Splits 0..S-1 cut the sequence's quantized blocks into chunks of `bps` blocks
-     (split-K); split S is the fp16 tail. Every warp computes all H_q / H_kv query
-     heads of its kv head, so the codes are read once per group, and writes
-     (m, l, acc) per query head: running max and sum in log2 units, and the
-     unnormalised output.
-       K phase: a warp step covers 256 tokens (256 / G blocks); lane = (block,
-       8-token segment), loops over the D channels reading b bytes of codes per
-       channel (8 codes), dequantizes in registers and keeps 8 x rep scores.
-       Softmax: warp max per head, exp2 against the running max, p to shared memory.
-       V phase: lane = (token offset, 8 channels); per token, b bytes of codes plus
-       one scale/zero pair; acc[rep][8] stays in registers for the whole split.
-     Only real positions are read: block ids come from the table up to num_blocks,
-     tail rows up to tail_len. No mask, no padding, no fp16 K/V anywhere.
+Decode attention: two launches per layer for all sequences, one split kernel and the
+merge. There are two split kernels with the same inputs, outputs, grid and merge:
+
+  1a. `kivi_attend_split_mma` (the default wherever `mma_supports`: bits 2/4, G = 32,
+     D 64/128, H_q / H_kv <= 8): tensor cores. One warp per (sequence b, kv head h,
+     split s); a split is >= 4 blocks (MMA_STEP_TOKENS). The warp double-buffers its
+     blocks in shared memory with cp.async (codes, scales, zeros of one (block, head)
+     tile are contiguous), dequantizes K and V to the pool dtype in registers (the code
+     is or-ed into the mantissa of 1024 (fp16) / 128 (bf16), that constant subtracted,
+     then one packed FMA with scale and zero) straight into m16n8k16 MMA fragments,
+     float32 accumulation: scores = K_hat q^T (tokens x query heads, heads padded to 8),
+     online softmax in base 2, out^T += V_hat^T p^T (channels x heads). See the comment
+     above ATTEND_MMA_SOURCE for the fragment layouts. The fp16 tail split runs the
+     CUDA-core tail code shared with 1b.
+  1b. `kivi_attend_split` (everything else: 8-bit, G != 32, D 32/256, or
+     KIVIQ_KIVI_KERNEL=v1 for A/B runs): CUDA cores, float32 throughout. One warp per
+     (b, h, split), 4 warps per thread block (they share (b, h) and stage its query rows
+     once). Splits 0..S-1 cut the sequence's quantized blocks into chunks of `bps`
+     blocks (split-K); split S is the fp16 tail. K phase: a warp step covers 256 tokens
+     (256 / G blocks); lane = (block, 8-token segment), loops over the D channels
+     reading b bytes of codes per channel (8 codes), dequantizes in registers and keeps
+     8 x rep scores. Softmax: warp max per head, exp2 against the running max, p to
+     shared memory. V phase: lane = (token offset, 8 channels); per token, b bytes of
+     codes plus one scale/zero pair; acc[rep][8] stays in registers for the split.
+  Both: every warp computes all H_q / H_kv query heads of its kv head, so the codes are
+  read once per group, and writes (m, l, acc) per query head: running max and sum in
+  log2 units, and the unnormalised output. Only real positions are read: block ids come
+  from the table up to num_blocks, tail rows up to tail_len. No mask, no padding, no
+  fp16 K/V in global memory.
   2. `kivi_attend_merge`: one thread block per (b, query head), D threads: exact
-     log-sum-exp merge of the splits, output cast to q's dtype.
+     log-sum-exp merge of the splits (weights computed once per block into shared
+     memory, then independent loads per channel), output cast to q's dtype.
 The number of splits comes from the SHAPE only (B, H_kv, max blocks; `split_plan`)
 and, with every length, travels as data (`params`) or in the launch grid; the
 template holds only compile-time constants (dtypes, D, G, bits, rep), so a growing
 sequence never recompiles anything.
 
-Numerics (vs the float32 reference): dequantization `q * scale + zero` is contracted
-to one FMA (NVRTC default -fmad=true; the reference rounds twice: ~1 float32 ulp of
-x_hat), the softmax runs in base 2 with log2(e) folded into the query scale, and sums
-run in another order. Outputs agree to about 1e-6 relative before the final cast.
+Numerics (vs the float32 reference):
+  * CUDA-core kernel: dequantization `q * scale + zero` is contracted to one FMA (the
+    reference rounds twice: ~1 float32 ulp of x_hat), the softmax runs in base 2 with
+    log2(e) folded into the query scale, and sums run in another order. Outputs agree
+    to about 1e-6 relative before the final cast.
+  * MMA kernel: K_hat and V_hat are rounded once to the pool dtype (what a
+    dequantize-then-attend path stores; 2^-11 relative in fp16, 2^-8 in bf16), q is
+    rounded to it for the dot products and p for the value sum; all sums float32.
+    Against an oracle that rounds K, V and q alike it agrees to u * max|v| (p's
+    rounding); tests/test_kernels_gpu.py states and checks both contracts. This is the
+    design decision behind the speed: float32 CUDA-core math was the limit of 1b.
 
-Performance (H200, docs/benchmarks_kernel.md): correct everywhere, but bound by
-instructions and latency rather than bytes (2-bit runs as long as 4-bit): ~0.9x MLX's
-fp16 SDPA at B=32, S=8k and 15-30 % of copy bandwidth; 3-27x faster than
-dequantize-then-SDPA. The float32 CUDA-core math (exact dequantization, ~16
-instructions per element pair) is the limit; tensor cores would need fp16 K/V tiles.
+Performance (H200, docs/benchmarks.md): see the kernel section there for the
+measured table (MMA vs CUDA-core vs fp16 SDPA vs dequantize-then-SDPA).
 
 Flush: `kivi_flush_quantize` quantizes the oldest G tail tokens of every flushing slot
 in one launch (one thread per key channel AND per value group: both number
@@ -60,9 +78,13 @@ from kernels.layout import KiviPool, check_layout
 LOG2E = 1.4426950408889634
 WARPS = 4  # warps per thread block of the split kernel
 STEP_TOKENS = 256  # tokens per warp step (8 per lane)
+# The MMA kernel works block by block; a split holds at least 4 blocks (128 tokens) so
+# that B = 1 at 32k gets ~250 splits per head, not ~1000 tiny ones (merge cost).
+MMA_STEP_TOKENS = 128
 # Splits are sized so the grid holds about this many warps per SM (several waves of
 # short units; the hardware scheduler balances ragged batches).
 UNITS_PER_SM = 48
+MAX_SPLITS = 1024  # quantized splits + the tail, per (sequence, kv head)
 MAX_REP = 8  # query heads per kv head handled by one warp (register budget)
 HEAD_DIMS = (32, 64, 128, 256)
 POOL_DTYPES = (mx.float16, mx.bfloat16)
@@ -82,20 +104,36 @@ def num_sms() -> int:
 
 
 def split_plan(batch: int, kv_heads: int, max_blocks: int, group_size: int,
-               sms: int | None = None) -> tuple[int, int]:
+               sms: int | None = None, step_tokens: int = STEP_TOKENS) -> tuple[int, int]:
     """Split-K plan from the shape alone: (quantized splits S, blocks per split).
 
-    A warp step covers 256 tokens, so splits are whole steps. Enough splits that
+    A warp step covers `step_tokens` tokens (256 for the CUDA-core kernel, one block
+    for the MMA kernel), so splits are whole steps. Enough splits that
     B * H_kv * S warps give every SM several waves even at B = 1; never more splits
     than steps. The tail is one more split, not counted here.
     """
-    step_blocks = STEP_TOKENS // group_size
+    step_blocks = max(1, step_tokens // group_size)
     steps = -(-max_blocks // step_blocks)
     if steps == 0:
         return 0, step_blocks
     want = max(1, -(-(sms or num_sms()) * UNITS_PER_SM // (batch * kv_heads)))
+    want = min(want, MAX_SPLITS - 1)  # the merge keeps one weight per split in smem
     steps_per_split = -(-steps // min(steps, want))
     return -(-steps // steps_per_split), steps_per_split * step_blocks
+
+
+KERNEL_ENV = "KIVIQ_KIVI_KERNEL"  # "auto" (default): MMA where it applies; "v1": never
+
+
+def mma_supports(q_shape, pool: KiviPool, bits: int, group_size: int) -> str | None:
+    """None when the tensor-core split kernel handles this call (on top of `supports`),
+    else why not. It covers the common layouts; the CUDA-core kernel covers the rest."""
+    d = q_shape[-1]
+    if os.environ.get(KERNEL_ENV, "auto").lower() == "v1":
+        return f"{KERNEL_ENV}=v1"
+    if bits not in (2, 4) or group_size != 32 or d not in (64, 128):
+        return f"bits={bits}, G={group_size}, D={d} (MMA kernel: bits 2/4, G=32, D 64/128)"
+    return None
 
 
 def supports(q_shape, q_dtype, pool: KiviPool, bits: int, group_size: int) -> str | None:
@@ -218,6 +256,202 @@ __device__ __forceinline__ uint32_t kivi_quantize(float x, float zf, float sf) {
   float q = rintf(__fdiv_rn(__fsub_rn(x, zf), sf));
   q = fminf(fmaxf(q, 0.0f), float((1 << BITS) - 1));
   return uint32_t(q);
+}
+
+// The fp16/bf16 tail of one sequence (rows 0 .. tl-1 of tk / tv, each [R + G][D])
+// folded into a warp's running (m, l, acc): scores with lane = tail row, then
+// lane = (token offset, 8 channels) for the values. pw: this warp's [REP][PS] floats.
+template <typename SD, int D, int REP, int PS>
+__device__ __forceinline__ void kivi_tail_attend(const float* qs, float* pw, const SD* tk,
+                                                 const SD* tv, int tl, int lane,
+                                                 float (&m)[REP], float (&l)[REP],
+                                                 float (&acc)[REP][8]) {
+  constexpr int LR = D / 8;
+  constexpr int TPI = 32 / LR;
+  const int cc = lane % LR;
+  const int to = lane / LR;
+  for (int c0 = 0; c0 < tl; c0 += 32) {
+    const int n = min(32, tl - c0);  // warp-uniform
+    const bool valid = lane < n;
+    float s[REP];
+#pragma unroll
+    for (int r = 0; r < REP; ++r) s[r] = 0.0f;
+    if (valid) {
+      const SD* row = tk + (size_t)(c0 + lane) * D;
+#pragma unroll 2
+      for (int d0 = 0; d0 < D; d0 += 8) {
+        float x[8];
+        kivi_load8f<SD>(row + d0, x);
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int r = 0; r < REP; ++r) s[r] = fmaf(qs[(d0 + j) * REP + r], x[j], s[r]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < REP; ++r) {
+      const float mx = fmaxf(m[r], kivi_warp_max(valid ? s[r] : KIVI_NEG_INF));
+      const float alpha = exp2f(m[r] - mx);
+      m[r] = mx;
+      l[r] *= alpha;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[r][j] *= alpha;
+      const float p = valid ? exp2f(s[r] - mx) : 0.0f;
+      l[r] += p;
+      pw[r * PS + lane] = p;
+    }
+    __syncwarp();
+    for (int t = to; t < n; t += TPI) {
+      float x[8];
+      kivi_load8f<SD>(tv + (size_t)(c0 + t) * D + cc * 8, x);
+#pragma unroll
+      for (int r = 0; r < REP; ++r) {
+        const float pr = pw[r * PS + t];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[r][j] = fmaf(pr, x[j], acc[r][j]);
+      }
+    }
+    __syncwarp();
+  }
+}
+
+// A warp's (m, l, acc) per query head -> part_ml / part_acc at row oi (split-major).
+// acc layout: lane = (token offset, channel group cc); summed over token offsets here.
+template <int D, int REP>
+__device__ __forceinline__ void kivi_write_part(const float (&m)[REP], float (&l)[REP],
+                                                float (&acc)[REP][8], int lane,
+                                                float* part_acc, float* part_ml, size_t oi) {
+  constexpr int LR = D / 8;
+  const int cc = lane % LR;
+#pragma unroll
+  for (int r = 0; r < REP; ++r) {
+    l[r] = kivi_warp_sum(l[r]);
+#pragma unroll
+    for (int o = LR; o < 32; o <<= 1)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[r][j] += __shfl_xor_sync(KIVI_FULL, acc[r][j], o);
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < REP; ++r) {
+      part_ml[(oi + r) * 2] = m[r];
+      part_ml[(oi + r) * 2 + 1] = l[r];
+    }
+  }
+  // An empty split (m = -inf) writes no acc; the merge never reads it.
+  if (lane < LR && m[0] != KIVI_NEG_INF) {
+#pragma unroll
+    for (int r = 0; r < REP; ++r) {
+      float4* dst = reinterpret_cast<float4*>(part_acc + (oi + r) * D + cc * 8);
+      dst[0] = make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+      dst[1] = make_float4(acc[r][4], acc[r][5], acc[r][6], acc[r][7]);
+    }
+  }
+}
+
+// ---- tensor-core helpers (the MMA split kernel) -----------------------------------
+template <typename A, typename B> struct kivi_same { static constexpr bool value = false; };
+template <typename A> struct kivi_same<A, A> { static constexpr bool value = true; };
+
+// Two storage-dtype values packed in 32 bits, low half first (MMA operand registers).
+template <typename SD> __device__ __forceinline__ uint32_t kivi_pack2f(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t kivi_pack2f<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t kivi_pack2f<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Code j of each 16-bit half of w, dequantized as (code * scale + zero) in SD with one
+// rounding (packed FMA); s2 / z2 hold the two halves' scale and zero. The code becomes
+// an exact SD number by or-ing it into the mantissa of 1024 (fp16) or 128 (bf16) and
+// subtracting that constant: both are exact for codes below 128.
+template <typename SD, int BITS>
+__device__ __forceinline__ uint32_t kivi_deq2(uint32_t w, int j, uint32_t s2, uint32_t z2) {
+  constexpr uint32_t M = ((1u << BITS) - 1u) * 0x00010001u;
+  if constexpr (kivi_same<SD, __half>::value) {
+    uint32_t t = ((w >> (j * BITS)) & M) | 0x64006400u;
+    __half2 x = *reinterpret_cast<__half2*>(&t);
+    const uint32_t magic = 0x64006400u;
+    x = __hsub2(x, *reinterpret_cast<const __half2*>(&magic));
+    x = __hfma2(x, *reinterpret_cast<const __half2*>(&s2), *reinterpret_cast<const __half2*>(&z2));
+    return *reinterpret_cast<uint32_t*>(&x);
+  } else {
+    uint32_t t = ((w >> (j * BITS)) & M) | 0x43004300u;
+    __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&t);
+    const uint32_t magic = 0x43004300u;
+    x = __hsub2(x, *reinterpret_cast<const __nv_bfloat162*>(&magic));
+    x = __hfma2(x, *reinterpret_cast<const __nv_bfloat162*>(&s2),
+                *reinterpret_cast<const __nv_bfloat162*>(&z2));
+    return *reinterpret_cast<uint32_t*>(&x);
+  }
+}
+
+// Two 4-code units (4 * BITS bits each; byte offsets a and b of p) in the two halves.
+template <int BITS>
+__device__ __forceinline__ uint32_t kivi_unit2(const uint8_t* p, int a, int b) {
+  if constexpr (BITS == 4) {
+    return uint32_t(*reinterpret_cast<const unsigned short*>(p + a)) |
+           (uint32_t(*reinterpret_cast<const unsigned short*>(p + b)) << 16);
+  } else {
+    return uint32_t(p[a]) | (uint32_t(p[b]) << 16);
+  }
+}
+
+// Asynchronous 16-byte global -> shared copies (sm_80+), grouped per staged block.
+__device__ __forceinline__ void kivi_cp16(void* smem, const void* gmem) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void kivi_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void kivi_cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Stage one (block, kv head) tile into dst: [k codes][v codes][k scales][k zeros]
+// [v scales][v zeros], all contiguous in global memory per tile.
+template <typename SD, int D, int KTILE, int VTILE>
+__device__ __forceinline__ void kivi_stage_tile(uint8_t* dst, int lane, size_t tile,
+                                                const uint8_t* k_codes, const uint8_t* v_codes,
+                                                const SD* k_scales, const SD* k_zeros,
+                                                const SD* v_scales, const SD* v_zeros) {
+  constexpr int SC = D / 8;  // 16-byte chunks of one scale or zero array (D values)
+  const uint8_t* kc = k_codes + tile * KTILE;
+  const uint8_t* vc = v_codes + tile * VTILE;
+  for (int i = lane; i < KTILE / 16; i += 32) kivi_cp16(dst + i * 16, kc + i * 16);
+  // Value rows are stored swizzled: chunk c of token row t goes to chunk c ^ ((t / 8) %
+  // NCH), so the V phase's lanes (rows 8f + ..) hit different banks (a 4-way conflict
+  // at 4 bits otherwise).
+  constexpr int NCH = (VTILE / 32) / 16;  // 16-byte chunks per token row (G = 32 rows)
+  for (int i = lane; i < VTILE / 16; i += 32) {
+    const int t = i / NCH, c = i % NCH;
+    kivi_cp16(dst + KTILE + (t * NCH + (c ^ ((t >> 3) & (NCH - 1)))) * 16, vc + i * 16);
+  }
+  for (int i = lane; i < 4 * SC; i += 32) {
+    const int a = i / SC, c = i % SC;
+    const SD* src = (a == 0 ? k_scales : a == 1 ? k_zeros : a == 2 ? v_scales : v_zeros);
+    kivi_cp16(dst + KTILE + VTILE + a * (D * 2) + c * 16, src + tile * D + c * 8);
+  }
+  kivi_cp_commit();
+}
+
+// c += A * B on the tensor cores: m16n8k16, SD inputs, float32 accumulation.
+template <typename SD>
+__device__ __forceinline__ void kivi_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  if constexpr (kivi_same<SD, __half>::value) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
 }
 """
 
@@ -387,102 +621,317 @@ ATTEND_SOURCE = r"""
       __syncwarp();
     }
   } else {
-    // ---- the fp16/bf16 tail: rows 0 .. tail_len-1 of this sequence's slot --------
     const int tl = min(tail_lens[b], RG);
     const size_t base = ((size_t)slots[b] * H_kv + h) * RG * D;
     const SD* tk = tail_k + base;
     const SD* tv = tail_v + base;
-    for (int c0 = 0; c0 < tl; c0 += 32) {
-      const int n = min(32, tl - c0);  // warp-uniform
-      const bool valid = lane < n;
-      float s[REP];
+    kivi_tail_attend<SD, D, REP, STEP>(qs, pw, tk, tv, tl, lane, m, l, acc);
+  }
+  kivi_write_part<D, REP>(m, l, acc, lane, part_acc, part_ml,
+                          ((size_t)(b * H_kv + h) * nsu + split) * REP);
+"""
+
+
+# The tensor-core split kernel: same inputs, outputs, grid and merge as ATTEND_SOURCE;
+# G = 32, bits 2 or 4, D a multiple of 32 up to 128, REP <= 8. A warp stages one
+# block (K and V codes, scales, zeros) in shared memory, dequantizes it to SD
+# fragments and runs m16n8k16 MMAs with float32 accumulation:
+#   K phase: scores[token][rep] = K_hat[32 tokens][D] . q^T, rows = tokens (2 m-tiles),
+#     n = query heads (padded to 8). Lane (g = lane / 4, f = lane % 4) holds tokens
+#     4g .. 4g+3 (one 4-code unit of a channel row) for channels 2f, 2f+1, 2f+8, 2f+9
+#     of each 16-channel k-tile.
+#   V phase: out^T[channel][rep] += V_hat^T[D][32 tokens] . p^T, rows = channels, k =
+#     tokens. Lane holds channels 32mp + 4g .. +3 (one unit of a token row) for tokens
+#     8f .. 8f+7, so its value scales (staged transposed, [group][token]) are adjacent.
+#   p goes through shared memory in SD ([8][32] per warp): the transpose between the
+#   two fragment layouts.
+ATTEND_MMA_SOURCE = r"""
+  constexpr int P = 8 / BITS;
+  constexpr int KROW = G / P;     // bytes of a k_codes row (one channel)
+  constexpr int VROW = D / P;     // bytes of a v_codes row (one token)
+  constexpr int UB = BITS / 2;    // bytes of a 4-code unit
+  constexpr int KT = D / 16;      // k-tiles of the K phase
+  constexpr int MP = D / 32;      // channel m-tile pairs of the V phase (one group each)
+  constexpr int NG = D / G;       // value groups per token
+  constexpr int NCH = VROW / 16;  // 16-byte chunks per value row (swizzled in smem)
+  constexpr int KTILE = D * KROW;
+  constexpr int VTILE = G * VROW;
+  constexpr int SB = KTILE + VTILE + 4 * D * 2;  // one staged block
+  constexpr int WB = 2 * SB + 4 * D + 16 * G;    // per warp: 2 stages, v scales^T, p
+  static_assert(G == 32, "MMA kernel: G = 32");
+  static_assert(WB >= REP * (D + 32) * 4, "tail warp scratch fits in its region");
+  // Per warp: stages 0 and 1 (cp.async double buffer), the value scales and zeros
+  // transposed to [group][token], and p as [8 heads][32 tokens] in SD. The tail warp
+  // uses its region for q (float) and p instead. No block-wide barrier anywhere.
+  __shared__ __align__(16) uint8_t smem[NW * WB];
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int H_kv = gridDim.y;
+  const int mbs = params[0];
+  const int bps = params[1];
+  const int nsplit = params[2];
+  const int RG = params[3];
+  const int nsu = nsplit + 1;
+  const int split = blockIdx.x * NW + warp;
+  if (split >= nsu) return;
+  const T* qp = q + ((size_t)b * H_kv + h) * (REP * D);
+  const float qscale = qscale_in[0];
+  uint8_t* ws = smem + warp * WB;
+  const size_t oi = ((size_t)(b * H_kv + h) * nsu + split) * REP;
+
+  if (split == nsplit) {  // the fp16/bf16 tail, on the CUDA cores (<= R + G - 1 rows)
+    float* qs = reinterpret_cast<float*>(ws);  // [D][REP] q * scale * log2(e)
+    for (int i = lane; i < REP * D; i += 32) qs[(i % D) * REP + i / D] = kivi_f(qp[i]) * qscale;
+    __syncwarp();
+    float m[REP], l[REP], acc[REP][8];
 #pragma unroll
-      for (int r = 0; r < REP; ++r) s[r] = 0.0f;
-      if (valid) {
-        const SD* row = tk + (size_t)(c0 + lane) * D;
-#pragma unroll 2
-        for (int d0 = 0; d0 < D; d0 += 8) {
-          float x[8];
-          kivi_load8f<SD>(row + d0, x);
+    for (int r = 0; r < REP; ++r) {
+      m[r] = KIVI_NEG_INF;
+      l[r] = 0.0f;
 #pragma unroll
-          for (int j = 0; j < 8; ++j)
-#pragma unroll
-            for (int r = 0; r < REP; ++r) s[r] = fmaf(qs[(d0 + j) * REP + r], x[j], s[r]);
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < REP; ++r) {
-        const float mx = fmaxf(m[r], kivi_warp_max(valid ? s[r] : KIVI_NEG_INF));
-        const float alpha = exp2f(m[r] - mx);
-        m[r] = mx;
-        l[r] *= alpha;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[r][j] *= alpha;
-        const float p = valid ? exp2f(s[r] - mx) : 0.0f;
-        l[r] += p;
-        pw[r * STEP + lane] = p;
-      }
-      __syncwarp();
-      for (int t = to; t < n; t += TPI) {
-        float x[8];
-        kivi_load8f<SD>(tv + (size_t)(c0 + t) * D + cc * 8, x);
-#pragma unroll
-        for (int r = 0; r < REP; ++r) {
-          const float pr = pw[r * STEP + t];
-#pragma unroll
-          for (int j = 0; j < 8; ++j) acc[r][j] = fmaf(pr, x[j], acc[r][j]);
-        }
-      }
-      __syncwarp();
+      for (int j = 0; j < 8; ++j) acc[r][j] = 0.0f;
     }
+    const int tl = min(tail_lens[b], RG);
+    const size_t base = ((size_t)slots[b] * H_kv + h) * RG * D;
+    kivi_tail_attend<SD, D, REP, 32>(qs, qs + D * REP, tail_k + base, tail_v + base, tl,
+                                     lane, m, l, acc);
+    kivi_write_part<D, REP>(m, l, acc, lane, part_acc, part_ml, oi);
+    return;
   }
 
-  // ---- this warp's (m, l, acc) per query head ------------------------------------
-  const size_t oi = ((size_t)(b * H_kv + h) * nsu + split) * REP;
+  const int g = lane >> 2;
+  const int f = lane & 3;
+  SD* vs = reinterpret_cast<SD*>(ws + 2 * SB);  // [NG][G] value scales of the block
+  SD* vz = vs + D;
+  SD* pt = vz + D;                                // [8][G] p
+
+  // q of query head g as B fragments (zero rows pad REP to 8), unscaled: the softmax
+  // scale is applied to the float32 scores.
+  uint32_t qb[KT][2];
 #pragma unroll
-  for (int r = 0; r < REP; ++r) {
-    l[r] = kivi_warp_sum(l[r]);
-#pragma unroll
-    for (int o = LR; o < 32; o <<= 1)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[r][j] += __shfl_xor_sync(KIVI_FULL, acc[r][j], o);
-  }
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < REP; ++r) {
-      part_ml[(oi + r) * 2] = m[r];
-      part_ml[(oi + r) * 2 + 1] = l[r];
+  for (int kt = 0; kt < KT; ++kt) {
+    qb[kt][0] = 0u;
+    qb[kt][1] = 0u;
+    if (g < REP) {
+      const T* qr = qp + g * D + kt * 16 + 2 * f;
+      qb[kt][0] = kivi_pack2f<SD>(kivi_f(qr[0]), kivi_f(qr[1]));
+      qb[kt][1] = kivi_pack2f<SD>(kivi_f(qr[8]), kivi_f(qr[9]));
     }
   }
-  // An empty split (m = -inf) writes no acc; the merge never reads it.
-  if (lane < LR && m[0] != KIVI_NEG_INF) {
+  float m2[2] = {KIVI_NEG_INF, KIVI_NEG_INF};  // query heads 2f, 2f+1
+  float l2[2] = {0.0f, 0.0f};                  // this lane's tokens only
+  float oacc[2 * MP][4];
 #pragma unroll
-    for (int r = 0; r < REP; ++r) {
-      float4* dst = reinterpret_cast<float4*>(part_acc + (oi + r) * D + cc * 8);
-      dst[0] = make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
-      dst[1] = make_float4(acc[r][4], acc[r][5], acc[r][6], acc[r][7]);
+  for (int i = 0; i < 2 * MP; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) oacc[i][j] = 0.0f;
+
+  const int nb = min(num_blocks[b], mbs);
+  const int blk0 = split * bps;
+  const int blk1 = min(blk0 + bps, nb);
+  const int* table = block_tables + (size_t)b * mbs;
+  if (blk0 < blk1) {
+    kivi_stage_tile<SD, D, KTILE, VTILE>(ws, lane, (size_t)table[blk0] * H_kv + h, k_codes,
+                                         v_codes, k_scales, k_zeros, v_scales, v_zeros);
+  }
+  for (int blk = blk0; blk < blk1; ++blk) {
+    // Prefetch the next block into the other stage, then wait for this one.
+    const uint8_t* st = ws + ((blk - blk0) & 1) * SB;
+    if (blk + 1 < blk1) {
+      kivi_stage_tile<SD, D, KTILE, VTILE>(ws + ((blk + 1 - blk0) & 1) * SB, lane,
+                                           (size_t)table[blk + 1] * H_kv + h, k_codes,
+                                           v_codes, k_scales, k_zeros, v_scales, v_zeros);
+      kivi_cp_wait<1>();
+    } else {
+      kivi_cp_wait<0>();
+    }
+    __syncwarp();
+    const uint8_t* kc = st;
+    const uint8_t* vc = st + KTILE;
+    const SD* ks = reinterpret_cast<const SD*>(st + KTILE + VTILE);
+    const SD* kz = ks + D;
+    {
+      const SD* vsg = kz + D;  // [G tokens][NG groups] as stored
+      const SD* vzg = vsg + D;
+#pragma unroll
+      for (int i = lane; i < D; i += 32) {
+        const int t = i / NG, gr = i % NG;
+        vs[gr * G + t] = vsg[i];
+        vz[gr * G + t] = vzg[i];
+      }
+    }
+    __syncwarp();
+
+    // ---- K phase: scores of tokens 4g + {0,1} (m-tile 0) and 4g + {2,3} (m-tile 1)
+    // Two accumulators per m-tile (even and odd k-tiles): two independent MMA chains.
+    float sc[2][4], sc2[2][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sc[i][j] = sc2[i][j] = 0.0f;
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt) {
+      const int c0 = kt * 16 + 2 * f;
+      const uint32_t w01 = kivi_unit2<BITS>(kc, c0 * KROW + g * UB, (c0 + 1) * KROW + g * UB);
+      const uint32_t w89 = kivi_unit2<BITS>(kc, (c0 + 8) * KROW + g * UB, (c0 + 9) * KROW + g * UB);
+      const uint32_t s01 = *reinterpret_cast<const uint32_t*>(ks + c0);
+      const uint32_t z01 = *reinterpret_cast<const uint32_t*>(kz + c0);
+      const uint32_t s89 = *reinterpret_cast<const uint32_t*>(ks + c0 + 8);
+      const uint32_t z89 = *reinterpret_cast<const uint32_t*>(kz + c0 + 8);
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        kivi_mma<SD>((kt & 1) ? sc2[mt] : sc[mt],
+                     kivi_deq2<SD, BITS>(w01, 2 * mt, s01, z01),
+                     kivi_deq2<SD, BITS>(w01, 2 * mt + 1, s01, z01),
+                     kivi_deq2<SD, BITS>(w89, 2 * mt, s89, z89),
+                     kivi_deq2<SD, BITS>(w89, 2 * mt + 1, s89, z89),
+                     qb[kt][0], qb[kt][1]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sc[i][j] += sc2[i][j];
+    // sc[mt][2 * hi + e]: token 4g + 2mt + hi, query head 2f + e.
+    // ---- online softmax over the block's 32 tokens (base 2) ----
+    float alpha[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float bm = KIVI_NEG_INF;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        sc[mt][e] *= qscale;
+        sc[mt][2 + e] *= qscale;
+        bm = fmaxf(bm, fmaxf(sc[mt][e], sc[mt][2 + e]));
+      }
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) bm = fmaxf(bm, __shfl_xor_sync(KIVI_FULL, bm, o));
+      const float mn = fmaxf(m2[e], bm);
+      alpha[e] = exp2f(m2[e] - mn);
+      m2[e] = mn;
+      float p[4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        p[2 * mt] = exp2f(sc[mt][e] - mn);
+        p[2 * mt + 1] = exp2f(sc[mt][2 + e] - mn);
+      }
+      l2[e] = l2[e] * alpha[e] + ((p[0] + p[1]) + (p[2] + p[3]));
+      uint2 pk;
+      pk.x = kivi_pack2f<SD>(p[0], p[1]);
+      pk.y = kivi_pack2f<SD>(p[2], p[3]);
+      *reinterpret_cast<uint2*>(pt + (2 * f + e) * G + 4 * g) = pk;
+    }
+#pragma unroll
+    for (int i = 0; i < 2 * MP; ++i) {
+      oacc[i][0] *= alpha[0];
+      oacc[i][1] *= alpha[1];
+      oacc[i][2] *= alpha[0];
+      oacc[i][3] *= alpha[1];
+    }
+    __syncwarp();
+
+    // ---- V phase: tokens 8f + 4kt + {0,1} (k 2f, 2f+1) and + {2,3} (k 2f+8, 2f+9) ----
+    const uint4 pq = *reinterpret_cast<const uint4*>(pt + g * G + 8 * f);  // query head g
+#pragma unroll
+    for (int kt = 0; kt < 2; ++kt) {
+      const int ta = 8 * f + 4 * kt;
+      const uint32_t pb0 = kt ? pq.z : pq.x;
+      const uint32_t pb1 = kt ? pq.w : pq.y;
+#pragma unroll
+      for (int mp = 0; mp < MP; ++mp) {
+        // unit: channels 32mp + 4g .. +3, in the swizzled chunk of rows 8f .. 8f+7
+        const int u0 = (mp * 8 + g) * UB;
+        const int u = (((u0 >> 4) ^ (f & (NCH - 1))) << 4) | (u0 & 15);
+        const uint32_t wa = kivi_unit2<BITS>(vc, ta * VROW + u, (ta + 1) * VROW + u);
+        const uint32_t wb = kivi_unit2<BITS>(vc, (ta + 2) * VROW + u, (ta + 3) * VROW + u);
+        const uint32_t sa = *reinterpret_cast<const uint32_t*>(vs + mp * G + ta);
+        const uint32_t za = *reinterpret_cast<const uint32_t*>(vz + mp * G + ta);
+        const uint32_t sb = *reinterpret_cast<const uint32_t*>(vs + mp * G + ta + 2);
+        const uint32_t zb = *reinterpret_cast<const uint32_t*>(vz + mp * G + ta + 2);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          kivi_mma<SD>(oacc[2 * mp + i],
+                       kivi_deq2<SD, BITS>(wa, 2 * i, sa, za),
+                       kivi_deq2<SD, BITS>(wa, 2 * i + 1, sa, za),
+                       kivi_deq2<SD, BITS>(wb, 2 * i, sb, zb),
+                       kivi_deq2<SD, BITS>(wb, 2 * i + 1, sb, zb),
+                       pb0, pb1);
+        }
+      }
+    }
+    __syncwarp();  // the next iteration's prefetch overwrites this stage, vs, vz, pt
+  }
+
+  // ---- (m, l, acc): oacc[2mp + i][2 * hi + e] = channel 32mp + 4g + 2i + hi, head 2f + e
+#pragma unroll
+  for (int e = 0; e < 2; ++e)
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) l2[e] += __shfl_xor_sync(KIVI_FULL, l2[e], o);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int r = 2 * f + e;
+    if (r < REP) {
+      if (g == 0) {
+        part_ml[(oi + r) * 2] = m2[e];
+        part_ml[(oi + r) * 2 + 1] = l2[e];
+      }
+      if (blk1 > blk0) {  // an empty split writes no acc; the merge never reads it
+#pragma unroll
+        for (int mp = 0; mp < MP; ++mp) {
+          *reinterpret_cast<float4*>(part_acc + (oi + r) * D + mp * 32 + 4 * g) =
+              make_float4(oacc[2 * mp][e], oacc[2 * mp][2 + e], oacc[2 * mp + 1][e],
+                          oacc[2 * mp + 1][2 + e]);
+        }
+      }
     }
   }
 """
 
 # Grid: B * H_q blocks of D threads. out [B, H_q, D] in T.
+# The splits' weights 2^(m_i - max) are computed once per block into shared memory,
+# cooperatively; then thread d sums its channel over the splits with independent
+# loads (a serial loop of dependent loads took ~0.1 ms at 500 splits).
 MERGE_SOURCE = r"""
+  constexpr int NWARP = D / 32;
+  __shared__ float ws[MAX_SPLITS];
+  __shared__ float red[NWARP];
   const int bh = blockIdx.x;   // b * H_q + query head = (b * H_kv + h) * REP + r
   const int d = threadIdx.x;
   const int nsu = params[2] + 1;
   const size_t first = (size_t)(bh / REP) * nsu * REP + (bh % REP);  // split 0
   float mx = KIVI_NEG_INF;
-  for (int i = 0; i < nsu; ++i) mx = fmaxf(mx, part_ml[(first + (size_t)i * REP) * 2]);
-  float lsum = 0.0f, a = 0.0f;
+  for (int i = d; i < nsu; i += D) mx = fmaxf(mx, part_ml[(first + (size_t)i * REP) * 2]);
+  mx = kivi_warp_max(mx);
+  if ((d & 31) == 0) red[d >> 5] = mx;
+  __syncthreads();
+  mx = red[0];
+#pragma unroll
+  for (int w = 1; w < NWARP; ++w) mx = fmaxf(mx, red[w]);
+  __syncthreads();  // red is reused below
+  float lsum = 0.0f;
+  for (int i = d; i < nsu; i += D) {
+    const size_t k = first + (size_t)i * REP;
+    const float mi = part_ml[k * 2];
+    // An empty split (m = -inf) has weight 0 and an unwritten acc: never read it.
+    const float w = (mi == KIVI_NEG_INF) ? 0.0f : exp2f(mi - mx);
+    ws[i] = w;
+    lsum = fmaf(w, part_ml[k * 2 + 1], lsum);
+  }
+  lsum = kivi_warp_sum(lsum);
+  if ((d & 31) == 0) red[d >> 5] = lsum;
+  __syncthreads();
+  lsum = 0.0f;
+#pragma unroll
+  for (int w = 0; w < NWARP; ++w) lsum += red[w];
+  float a = 0.0f;
   if (mx != KIVI_NEG_INF) {
+#pragma unroll 8
     for (int i = 0; i < nsu; ++i) {
-      const size_t k = first + (size_t)i * REP;
-      const float mi = part_ml[k * 2];
-      if (mi != KIVI_NEG_INF) {
-        const float w = exp2f(mi - mx);
-        lsum = fmaf(w, part_ml[k * 2 + 1], lsum);
-        a = fmaf(w, part_acc[k * D + d], a);
-      }
+      const float w = ws[i];
+      if (w != 0.0f) a = fmaf(w, part_acc[(first + (size_t)i * REP) * D + d], a);
     }
   }
   out[(size_t)bh * D + d] = kivi_from_f<T>(mx == KIVI_NEG_INF ? 0.0f : a / lsum);
@@ -568,11 +1017,13 @@ FLUSH_OUTPUTS = list(POOL_NAMES[:6])
 
 def _build():
     if not _cuda_available():
-        return None, None, None
+        return None, None, None, None
     k = mx.fast.cuda_kernel
     return (
         k(name="kivi_attend_split", input_names=ATTEND_INPUTS, output_names=ATTEND_OUTPUTS,
           source=ATTEND_SOURCE, header=HEADER),
+        k(name="kivi_attend_split_mma", input_names=ATTEND_INPUTS,
+          output_names=ATTEND_OUTPUTS, source=ATTEND_MMA_SOURCE, header=HEADER),
         k(name="kivi_attend_merge", input_names=MERGE_INPUTS, output_names=["out"],
           source=MERGE_SOURCE, header=HEADER),
         k(name="kivi_flush_quantize", input_names=FLUSH_INPUTS, output_names=FLUSH_OUTPUTS,
@@ -580,7 +1031,7 @@ def _build():
     )
 
 
-ATTEND_KERNEL, MERGE_KERNEL, FLUSH_KERNEL = _build()
+ATTEND_KERNEL, ATTEND_MMA_KERNEL, MERGE_KERNEL, FLUSH_KERNEL = _build()
 
 # ----------------------------------------------------------------------------------
 # Host side, shared with the Metal backend (kernels.kivi_metal).
@@ -601,7 +1052,7 @@ def _const(values: tuple, dtype) -> mx.array:
     return a
 
 def attend_launch(q, pool, block_tables, num_blocks, slots, tail_lens, *, scale, bits,
-                  group_size, warps=WARPS, sms=None):
+                  group_size, warps=WARPS, sms=None, step_tokens=STEP_TOKENS):
     """Everything a split+merge launch needs, from shapes and small int arrays.
 
     Returns (split kwargs, merge kwargs, params, rep); the kwargs lack `template` (and
@@ -615,7 +1066,7 @@ def attend_launch(q, pool, block_tables, num_blocks, slots, tail_lens, *, scale,
         raise ValueError(f"kivi kernel does not support {reason}")
     rep = h_q // h_kv
     mb = block_tables.shape[1]
-    nsplit, bps = split_plan(b, h_kv, mb, group_size, sms)
+    nsplit, bps = split_plan(b, h_kv, mb, group_size, sms, step_tokens)
     if mb == 0:  # no quantized blocks anywhere: a dummy column, never read
         block_tables = mx.zeros((b, 1), dtype=mx.int32)
     i32 = lambda a: a if a.dtype == mx.int32 else a.astype(mx.int32)  # noqa: E731
@@ -645,7 +1096,7 @@ def attend_templates(q, pool, *, bits, group_size, rep, warps=WARPS):
     return (
         [("T", q.dtype), ("SD", pool.k_scales.dtype), ("D", d), ("G", group_size),
          ("BITS", bits), ("REP", rep), ("NW", warps)],
-        [("T", q.dtype), ("D", d), ("REP", rep)],
+        [("T", q.dtype), ("D", d), ("REP", rep), ("MAX_SPLITS", MAX_SPLITS)],
     )
 
 
@@ -663,7 +1114,9 @@ def kivi_decode_attend(
 ) -> mx.array:
     """One decode step of attention over the KIVI pool: 2 CUDA launches.
 
-    Same contract as `kernels.kivi_reference.decode_attention`.
+    Same contract as `kernels.kivi_reference.decode_attention`. The split kernel is
+    the tensor-core one where `mma_supports` says so (K/V dequantized to the pool's
+    dtype, then MMA with float32 accumulation), else the CUDA-core one (float32).
 
     Args:
         q: [B, H_q, D] fp16/bf16/fp32, RoPE applied.
@@ -683,11 +1136,13 @@ def kivi_decode_attend(
         raise RuntimeError("MLX's CUDA backend is not available")
     if q.shape[0] == 0:
         return mx.zeros(q.shape, dtype=q.dtype)
+    mma = mma_supports(q.shape, pool, bits, group_size) is None
     attend, merge, params, rep = attend_launch(
         q, pool, block_tables, num_blocks, slots, tail_lens, scale=scale, bits=bits,
-        group_size=group_size)
+        group_size=group_size, step_tokens=MMA_STEP_TOKENS if mma else STEP_TOKENS)
     t_split, t_merge = attend_templates(q, pool, bits=bits, group_size=group_size, rep=rep)
-    part_acc, part_ml = ATTEND_KERNEL(template=t_split, **attend)
+    split_kernel = ATTEND_MMA_KERNEL if mma else ATTEND_KERNEL
+    part_acc, part_ml = split_kernel(template=t_split, **attend)
     return MERGE_KERNEL(inputs=[part_acc, part_ml, params], template=t_merge, **merge)[0]
 
 

@@ -15,6 +15,13 @@ Expected mismatches (why the tolerances are not zero):
   * so the kernel's fp16/bf16 output may sit one output ulp away from the float32
     oracle rounded (a tie broken differently): tolerance = 1 ulp of the dtype
     (2^-10 relative for fp16, 2^-7 for bf16) + 1e-4 of the row's largest |value|.
+The tensor-core split kernel (`kivi_cuda.mma_supports`: bits 2/4, G = 32, D <= 128)
+has other numerics on purpose: it dequantizes K and V to the pool's dtype (one rounding,
+2^-11 relative in fp16, 2^-8 in bf16), rounds q to that dtype for the dot products and
+the probabilities p for the value sum (float32 accumulation throughout). Its oracle
+(`oracle_mma`) does the same roundings of K, V and q in float32 math, so only the
+rounding of p remains: |error| <= u * max|v| of the row's sequence (u = the dtype's unit
+roundoff), added to the tolerance above.
 The flush kernel has no a*b+c and must match codes, scales and zeros bit for bit.
 """
 
@@ -30,7 +37,12 @@ import pytest
 
 import kernels
 from kernels import dispatch, kivi_cuda
-from kernels.kivi_reference import decode_attention, flush_tails
+from kernels.kivi_quant import (
+    blocks_to_tokens,
+    dequantize_key_blocks,
+    dequantize_value_blocks,
+)
+from kernels.kivi_reference import decode_attention, decode_attention_dense, flush_tails
 from kernels.layout import KiviPool, allocate_pool
 
 R = 128
@@ -42,6 +54,7 @@ NEEDS_GPU = pytest.mark.skipif(
 )
 gpu = [pytest.mark.gpu, NEEDS_GPU]
 OUT_TOL = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7, mx.float32: 2.0**-20}
+UNIT_ROUNDOFF = {mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
 ERR_LOG = os.environ.get("KIVIQ_ERR_LOG")  # JSON lines of max errors, if set
 
 
@@ -122,12 +135,15 @@ def oracle(q, *args, **kw):
     return run()
 
 
-def check_close(out, ref, dtype, label):
+def check_close(out, ref, dtype, label, extra=None):
+    """extra: an absolute tolerance per row ([B, 1, 1] or scalar), added to the bound."""
     o, r = to_np(out), to_np(ref)
     assert o.shape == r.shape and out.dtype == dtype
     rowmax = np.abs(r).max(axis=-1, keepdims=True)
     err = np.abs(o - r)
     bound = OUT_TOL[dtype] * np.abs(r) + 1e-4 * rowmax
+    if extra is not None:
+        bound = bound + extra
     if ERR_LOG:
         with open(ERR_LOG, "a") as f:
             f.write(json.dumps({"case": label, "dtype": str(dtype),
@@ -139,6 +155,61 @@ def check_close(out, ref, dtype, label):
     assert not bad.any(), (
         f"{label}: {bad.sum()} of {bad.size} outside tolerance; max err {err.max():.3g}, "
         f"at ref {r[bad][:5]}, got {o[bad][:5]}")
+
+
+def oracle_mma(q, pool, table, nb, slots, tl, *, scale, bits, group_size=32):
+    """The MMA kernel's numerics in float32: quantized K and V dequantized and rounded
+    to the pool dtype, q rounded to it where blocks exist; the tail as stored.
+
+    Returns (reference [B, H_q, D] float32, extra tolerance [B, 1, 1] = 2 u max|v|).
+    """
+    sd = pool.k_scales.dtype
+    outs, extra = [], []
+    for i in range(q.shape[0]):
+        n, t, s = int(nb[i].item()), int(tl[i].item()), int(slots[i].item())
+        ks, vs = [pool.tail_k[s, :, :t]], [pool.tail_v[s, :, :t]]
+        if n:
+            idx = table[i, :n]
+            ks.insert(0, blocks_to_tokens(dequantize_key_blocks(
+                pool.k_codes[idx], pool.k_scales[idx], pool.k_zeros[idx], bits=bits, dtype=sd)))
+            vs.insert(0, blocks_to_tokens(dequantize_value_blocks(
+                pool.v_codes[idx], pool.v_scales[idx], pool.v_zeros[idx], bits=bits, dtype=sd)))
+        k = mx.concatenate(ks, axis=1).astype(mx.float32)
+        v = mx.concatenate(vs, axis=1).astype(mx.float32)
+        if k.shape[1] == 0:
+            outs.append(mx.zeros(q.shape[1:], dtype=mx.float32))
+            extra.append(0.0)
+            continue
+        qi = (q[i].astype(sd) if n else q[i]).astype(mx.float32)
+        outs.append(decode_attention_dense(qi, k, v, scale=scale))
+        extra.append(2 * UNIT_ROUNDOFF[sd] * float(mx.abs(v).max().item()))
+    ref = mx.stack(outs)
+    mx.eval(ref)
+    return ref, np.array(extra, dtype=np.float64)[:, None, None]
+
+
+def expect(q, pool, table, nb, slots, tl, *, scale, bits, group_size=32):
+    """(reference, extra tolerance) for the split kernel this call dispatches to."""
+    args = (q, pool, table, nb, slots, tl)
+    if (_backend() is kivi_cuda
+            and kivi_cuda.mma_supports(q.shape, pool, bits, group_size) is None):
+        return oracle_mma(*args, scale=scale, bits=bits, group_size=group_size)
+    return oracle(*args, scale=scale, bits=bits, group_size=group_size), None
+
+
+def check_kernel(args, dtype, label, *, scale, bits, group_size=32):
+    """Run the backend's decode kernel on args and compare with its oracle."""
+    out = _backend().kivi_decode_attend(*args, scale=scale, bits=bits, group_size=group_size)
+    ref, extra = expect(*args, scale=scale, bits=bits, group_size=group_size)
+    check_close(out, ref, dtype, label, extra)
+    return out
+
+
+@pytest.fixture(params=["auto", "v1"])
+def split_kernel(request, monkeypatch):
+    """Both CUDA split kernels: the default choice (MMA where it applies) and v1."""
+    monkeypatch.setenv(kivi_cuda.KERNEL_ENV, request.param)
+    return request.param
 
 
 # ---- host-side checks (any machine) -------------------------------------------------
@@ -155,6 +226,20 @@ def test_split_plan_fills_the_gpu_from_the_shape():
     assert kivi_cuda.split_plan(4, 8, 0, 32) == (0, 8)
     # B = 1 at 32k tokens still gets >= 1000 warps.
     assert kivi_cuda.split_plan(1, 8, 1020, 32, sms=132)[0] * 8 >= 1000
+
+
+def test_mma_kernel_covers_the_common_layouts(monkeypatch):
+    pool = allocate_pool(2, 2, 8, 128, bits=4)
+    assert kivi_cuda.mma_supports((4, 32, 128), pool, 4, 32) is None
+    assert kivi_cuda.mma_supports((4, 32, 128), pool, 2, 32) is None
+    assert "bits=8" in kivi_cuda.mma_supports((4, 32, 128), pool, 8, 32)
+    assert "G=16" in kivi_cuda.mma_supports((4, 32, 128), pool, 4, 16)
+    assert "D=256" in kivi_cuda.mma_supports((4, 32, 256), pool, 4, 32)
+    monkeypatch.setenv(kivi_cuda.KERNEL_ENV, "v1")
+    assert kivi_cuda.mma_supports((4, 32, 128), pool, 4, 32) is not None
+    # One warp per block-sized step: B = 1 at 32k tokens gets >= 1000 splits per head.
+    nsplit, bps = kivi_cuda.split_plan(1, 8, 1020, 32, sms=132, step_tokens=32)
+    assert nsplit * bps >= 1020 and nsplit * 8 >= 1000
 
 
 def test_dispatch_uses_the_reference_without_a_gpu_kernel(monkeypatch):
@@ -213,13 +298,12 @@ PARAMS = [(*c, *HEADS[(i + i // 4) % 4]) for i, c in enumerate(COMBOS)]
                               for p in PARAMS])
 @pytest.mark.gpu
 @NEEDS_GPU
-def test_decode_matches_reference(bits, dtype, d, h_kv, rep):
+def test_decode_matches_reference(bits, dtype, d, h_kv, rep, split_kernel):
     rng = np.random.default_rng(bits * 1000 + d + rep)
     for name, lens in CASES.items():
         args = make_case(rng, lens=lens, h_kv=h_kv, rep=rep, d=d, bits=bits, dtype=dtype)
-        out = _backend().kivi_decode_attend(*args, scale=d**-0.5, bits=bits)
-        ref = oracle(*args, scale=d**-0.5, bits=bits)
-        check_close(out, ref, dtype, f"{name} bits={bits} d={d} kv={h_kv} rep={rep}")
+        check_kernel(args, dtype, f"{split_kernel} {name} bits={bits} d={d} kv={h_kv} rep={rep}",
+                     scale=d**-0.5, bits=bits)
 
 
 
@@ -235,39 +319,34 @@ LONG = [  # the 32k cases: few combos, so the run stays short
                          ids=["4bit-fp16-b1", "2bit-bf16-b3", "8bit-fp16-b1"])
 @pytest.mark.gpu
 @NEEDS_GPU
-def test_decode_matches_reference_at_32k(bits, dtype, d, h_kv, rep, lens):
+def test_decode_matches_reference_at_32k(bits, dtype, d, h_kv, rep, lens, split_kernel):
     rng = np.random.default_rng(32768 + bits)
     args = make_case(rng, lens=lens, h_kv=h_kv, rep=rep, d=d, bits=bits, dtype=dtype)
-    out = _backend().kivi_decode_attend(*args, scale=d**-0.5, bits=bits)
-    ref = oracle(*args, scale=d**-0.5, bits=bits)
-    check_close(out, ref, dtype, f"32k bits={bits} B={len(lens)}")
+    check_kernel(args, dtype, f"{split_kernel} 32k bits={bits} B={len(lens)}",
+                 scale=d**-0.5, bits=bits)
 
 
 @pytest.mark.gpu
 @NEEDS_GPU
-def test_decode_edge_cases():
+def test_decode_edge_cases(split_kernel):
     rng = np.random.default_rng(5)
-    be = _backend()
     # float32 queries; no quantized block in the whole batch (empty table).
     q, pool, table, nb, slots, tl = make_case(rng, lens=[(0, 7), (0, 1)], h_kv=2, rep=2,
                                               d=64, bits=4, dtype=mx.float16)
     for qq in (q, q.astype(mx.float32)):
-        out = be.kivi_decode_attend(qq, pool, table[:, :0], nb, slots, tl, scale=0.1, bits=4)
-        check_close(out, oracle(qq, pool, table[:, :0], nb, slots, tl, scale=0.1, bits=4),
-                    qq.dtype, f"no blocks {qq.dtype}")
+        check_kernel((qq, pool, table[:, :0], nb, slots, tl), qq.dtype,
+                     f"no blocks {qq.dtype}", scale=0.1, bits=4)
     # A sequence with no tokens at all gets zeros, its neighbours are unaffected.
     q, pool, table, nb, slots, tl = make_case(rng, lens=[(2, 5), (0, 0), (9, 0)], h_kv=2,
                                               rep=3, d=128, bits=2, dtype=mx.bfloat16)
-    out = be.kivi_decode_attend(q, pool, table, nb, slots, tl, scale=0.1, bits=2)
+    out = check_kernel((q, pool, table, nb, slots, tl), q.dtype, "empty sequence",
+                       scale=0.1, bits=2)
     assert np.all(to_np(out)[1] == 0)
-    check_close(out, oracle(q, pool, table, nb, slots, tl, scale=0.1, bits=2), q.dtype,
-                "empty sequence")
-    # group sizes other than 32 (16 and 128 at D=128).
+    # group sizes other than 32 (16 and 128 at D=128: the CUDA-core kernel).
     for g in (16, 128):
         args = make_case(rng, lens=[(3, R + 5), (0, 9)], h_kv=2, rep=4, d=128, bits=4,
                          dtype=mx.float16, g=g)
-        out = be.kivi_decode_attend(*args, scale=0.1, bits=4, group_size=g)
-        check_close(out, oracle(*args, scale=0.1, bits=4, group_size=g), mx.float16, f"G={g}")
+        check_kernel(args, mx.float16, f"G={g}", scale=0.1, bits=4, group_size=g)
 
 
 @pytest.mark.gpu
@@ -371,15 +450,16 @@ def test_flush_kernel_is_in_place():
 
 @pytest.mark.gpu
 @NEEDS_GPU
-def test_decode_flush_cycle_with_kernels_matches_reference():
+@pytest.mark.parametrize("g", [16, 32])  # the CUDA-core and the MMA split kernel
+def test_decode_flush_cycle_with_kernels_matches_reference(g):
     """Engine-like: append a token, attend, flush at R + G; kernels vs reference pools."""
     rng = np.random.default_rng(11)
-    g, r, bits, h_kv, rep, d = 16, 32, 4, 2, 2, 64
+    r, bits, h_kv, rep, d = 2 * g, 4, 2, 2, 64
     pools = [allocate_pool(40, 3, h_kv, d, bits=bits, group_size=g, residual=r)
              for _ in range(2)]
     tables, tail_lens, free = {0: [], 2: []}, {0: 0, 2: 0}, list(range(40))
     order = [2, 0]
-    for _ in range(90):
+    for _ in range(3 * (r + g) // 2 + 3 * g):  # >= 3 blocks flushed per sequence
         for slot in order:
             k, v = (mx.array(rng.normal(size=(h_kv, d)).astype(np.float16)) for _ in range(2))
             for pool in pools:
@@ -394,8 +474,8 @@ def test_decode_flush_cycle_with_kernels_matches_reference():
                 mx.array([tail_lens[s] for s in order]))
         out = dispatch.decode_attend(q, pools[0], *args, scale=d**-0.5, bits=bits,
                                      group_size=g, use_kernel=True)
-        ref = oracle(q, pools[1], *args, scale=d**-0.5, bits=bits, group_size=g)
-        check_close(out, ref, mx.float16, "cycle")
+        ref, extra = expect(q, pools[1], *args, scale=d**-0.5, bits=bits, group_size=g)
+        check_close(out, ref, mx.float16, "cycle", extra)
         full = [s for s in order if tail_lens[s] == r + g]
         if full:
             ids = [free.pop() for _ in full]
