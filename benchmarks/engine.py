@@ -25,6 +25,8 @@ from mlx_lm.generate import BatchGenerator, generate_step  # noqa: E402
 from mlx_lm.utils import _get_classes  # noqa: E402
 
 from engine import Request, build_engine  # noqa: E402
+from engine.kivi_cache import attention_shape, model_dtype  # noqa: E402
+from engine.kv_store import KiviStore, KVConfig  # noqa: E402
 
 SHAPES = {
     "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,
@@ -68,9 +70,26 @@ def random_model(shape: str, dtype, quantize: int | None):
     return model
 
 
+def kivi_budget(model, bits: int, batch: int, tokens: int) -> int:
+    """KV bytes B sequences of `tokens` tokens need in kiviq's store (tails + blocks,
+    plus the scheduler's reserve), so the pool is sized to the run, not to 64 GiB."""
+    layers, n_kv, head_dim = attention_shape(model)
+    probe = KiviStore(layers, n_kv, head_dim, config=KVConfig(bits), num_blocks=1, num_slots=1,
+                      dtype=model_dtype(model))
+    blocks = -(-(tokens + 64) // probe.config.group_size)
+    return batch * (probe.slot_bytes + blocks * probe.block_bytes) + (64 << 20)
+
+
+def fp16_cache_bytes(model, batch: int, tokens: int) -> int:
+    """Bytes of mlx-lm's fp16/bf16 KV cache for B sequences of `tokens` tokens."""
+    layers, n_kv, head_dim = attention_shape(model)
+    return batch * tokens * layers * 2 * n_kv * head_dim * 2
+
+
 def run_kiviq(model, prompts, gen, bits):
+    budget = kivi_budget(model, bits, len(prompts), len(prompts[0]) + gen)
     engine = build_engine(model, IdTokenizer(), kv_bits=bits, max_sequences=len(prompts),
-                          kv_memory=64 << 30, max_batch_tokens=8192)
+                          kv_memory=budget, max_batch_tokens=8192)
     out = {i: [] for i in range(len(prompts))}
     mx.synchronize()
     t0 = time.perf_counter()
@@ -145,6 +164,10 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--bits", type=int, nargs="+", default=[4, 2])
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--max-kv-gb", type=float, default=100.0,
+                   help="skip an arm whose KV cache would need more than this")
+    p.add_argument("--arms", nargs="+", default=None,
+                   help="subset of arms: batchgen kiviq-4bit kiviq-2bit single")
     args = p.parse_args()
     if not mx.metal.is_available() and not (hasattr(mx, "cuda") and mx.cuda.is_available()):
         print("note: no GPU backend; CPU numbers are not the target of this benchmark", file=sys.stderr)
@@ -160,6 +183,23 @@ def main() -> None:
             arms += [(f"kiviq-{k}bit", (lambda k: lambda ps: run_kiviq(model, ps, args.gen, k))(k)) for k in args.bits]
             if b == 1:
                 arms.append(("mlx-lm single", lambda ps: run_single(model, ps[0], args.gen)))
+            if args.arms:
+                arms = [(n, f) for n, f in arms if n in args.arms or (n == "mlx-lm single" and "single" in args.arms)]
+            skipped = []
+            fp16_gb = fp16_cache_bytes(model, b, ctx + args.gen) / 1e9
+            if fp16_gb > args.max_kv_gb:
+                skipped = [n for n, _ in arms if n in ("batchgen", "mlx-lm single")]
+                arms = [(n, f) for n, f in arms if n not in skipped]
+            for name in skipped:
+                print(f"| {b} | {ctx} | {name} | not run: fp16 cache needs {fp16_gb:.0f} GB "
+                      f"(> {args.max_kv_gb:.0f}) | - | - | - |", flush=True)
+            if not arms:
+                continue
+            # Warm-up (untimed): compiles every kernel the arms use at this batch size.
+            warm = mx.random.randint(0, vocab, (b, min(ctx, 160)), key=mx.random.key(7)).tolist()
+            for name, fn in arms:
+                fn(warm)
+                mx.clear_cache()
             results = {name: [] for name, _ in arms}
             tokens = {}
             for rep in range(args.repeats):  # arms interleaved, fresh prompts each repeat
@@ -171,7 +211,7 @@ def main() -> None:
                     results[name].append((tps, ttft, peak))
                     tokens.setdefault(name, out)
                     mx.clear_cache()
-            ref = tokens["batchgen"]
+            ref = tokens.get("batchgen") or tokens[arms[0][0]]
             for name, _ in arms:
                 tps = sorted(r[0] for r in results[name])
                 ttft = sorted(r[1] for r in results[name])[len(results[name]) // 2]
