@@ -12,7 +12,9 @@ shared helper run unchanged:
   afterwards (DESIGN.md).
 - decode (L == 1): the new token is committed first (flush rule applied),
   then decode attention reads the quantized blocks and the tail through the
-  block tables (kernel where available, reference elsewhere).
+  block tables (kernel where available, reference elsewhere). The engine's
+  caches share one ``DecodeBatch`` per step (``KiviStore.begin_decode``), so
+  a layer only writes its token and attends.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_lm_base
 
-from engine.kv_store import KiviStore, KVConfig, SequenceKV
+from engine.kv_store import DecodeBatch, KiviStore, KVConfig, SequenceKV
 
 _stock_sdpa = mlx_lm_base.scaled_dot_product_attention
 
@@ -37,16 +39,21 @@ class KiviLayerCache:
     ``nbytes``, ``state``, ``empty``) and does the attention itself.
     """
 
-    def __init__(self, store: KiviStore, layer: int, seqs: list[SequenceKV], lengths: list[int] | None = None):
+    def __init__(self, store: KiviStore, layer: int, seqs: list[SequenceKV], lengths: list[int] | None = None,
+                 batch: DecodeBatch | None = None):
         self.store, self.layer, self.seqs = store, layer, seqs
         # Real (unpadded) chunk length per sequence, for a batched first-chunk
         # prefill of right-padded prompts.
         self.lengths = lengths
+        # A decode step prepared for every layer at once (its seqs are `seqs`).
+        self.batch = batch
         self._pending: tuple[mx.array, mx.array] | None = None
 
     @property
     def offset(self) -> int | mx.array:
         """Committed tokens (the RoPE offset); per sequence when batched."""
+        if self.batch is not None:
+            return self.batch.offsets
         g = self.store.config.group_size
         offsets = [s.offset(self.layer, g) for s in self.seqs]
         return offsets[0] if len(offsets) == 1 else mx.array(offsets)
@@ -69,9 +76,9 @@ class KiviLayerCache:
         self._pending = None
         b, _, length, _ = queries.shape
         if length == 1:
-            self.store.append_decode(self.layer, self.seqs, keys[:, :, 0], values[:, :, 0])
-            out = self.store.decode_attend(self.layer, self.seqs, queries[:, :, 0], scale)
-            return out[:, :, None]
+            batch = self.batch or self.store.begin_decode(self.seqs, self.layer)
+            self.store.write_decode(self.layer, batch, keys[:, :, 0], values[:, :, 0])
+            return self.store.attend_decode(self.layer, batch, queries[:, :, 0], scale)[:, :, None]
         if b != 1:
             return self._attend_first_chunks(queries, keys, values, scale)
         seq = self.seqs[0]

@@ -10,6 +10,11 @@ updates a pool array in place only when no pending computation still reads it.
 So within a layer every write (new tokens, flushes) comes before the attention
 that reads the pool, and prefill attention is evaluated before its tokens are
 committed.
+
+A batched decode step is prepared once for all layers (``begin_decode``):
+between forwards every layer of a sequence holds the same tokens, so slots,
+write positions, block tables and lengths are the same in every layer, and
+each layer only scatters its new token and runs its attention.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from kernels import (
     KiviPool,
@@ -29,7 +35,7 @@ from kernels import (
     quantize_value_blocks,
     tokens_to_blocks,
 )
-from kernels.dispatch import decode_attend, flush
+from kernels.dispatch import decode_attend, flush_layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +75,24 @@ class SequenceKV:
         return self.blocks_used[layer] * group_size + self.tail_lens[layer]
 
 
+@dataclass(eq=False, slots=True)
+class DecodeBatch:
+    """One batched decode step's metadata, the same in every layer (built by
+    ``KiviStore.begin_decode``; every int array is int32).
+
+    Shapes: slots, write_pos, num_blocks, tail_lens [B];
+    block_tables [B, max(1, max num_blocks)].
+    """
+
+    seqs: list[SequenceKV]
+    slots: mx.array
+    write_pos: mx.array  # tail index of the new token
+    block_tables: mx.array  # pool block ids in token order; zeros past num_blocks
+    num_blocks: mx.array  # quantized blocks, this step's flushes included
+    tail_lens: mx.array  # tail tokens, the new one included
+    offsets: int | mx.array  # tokens before the new one (the RoPE offset); an int when B = 1
+
+
 class KiviStore:
     """Pools for every layer plus the allocator of their blocks and slots.
 
@@ -99,6 +123,9 @@ class KiviStore:
         mx.eval(self.pools)
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._free_slots = list(range(num_slots - 1, -1, -1))
+        # Block tables by slot, kept as blocks are allocated: a step's table is
+        # one gather of rows (a nested list -> array costs ~100 us at B=32, 4k).
+        self._tables = np.zeros((num_slots, min(num_blocks, 64)), dtype=np.int32)
         self.num_blocks, self.num_slots = num_blocks, num_slots
         p0 = self.pools[0]
         self.block_bytes = num_layers * sum(a.nbytes // num_blocks for a in p0[:6])
@@ -139,6 +166,7 @@ class KiviStore:
             return
         self._free_blocks.extend(reversed(seq.block_ids))
         self._free_slots.append(seq.slot)
+        self._tables[seq.slot] = 0
         seq.block_ids, seq.slot = [], -1
 
     def _block_for(self, seq: SequenceKV, index: int) -> int:
@@ -148,7 +176,17 @@ class KiviStore:
             if not self._free_blocks:
                 raise OutOfKVMemory("KV pool is full: no free block")
             seq.block_ids.append(self._free_blocks.pop())
+            if index >= self._tables.shape[1]:
+                grown = np.zeros((self.num_slots, max(index + 1, 2 * self._tables.shape[1])), dtype=np.int32)
+                grown[:, : self._tables.shape[1]] = self._tables
+                self._tables = grown
+            self._tables[seq.slot, index] = seq.block_ids[index]
         return seq.block_ids[index]
+
+    def _block_tables(self, seqs: list[SequenceKV], num_blocks: list[int]) -> mx.array:
+        """int32 [B, max(1, max num_blocks)]: each sequence's block ids, zeros after."""
+        width = max(1, max(num_blocks))
+        return mx.array(self._tables[[s.slot for s in seqs], :width])
 
     # ---- writes ----------------------------------------------------------
 
@@ -194,36 +232,87 @@ class KiviStore:
         seq.blocks_used[layer] = first + n_flush
         seq.tail_lens[layer] = total - cut
 
-    def append_decode(self, layer: int, seqs: list[SequenceKV], k: mx.array, v: mx.array) -> None:
-        """Commit one new token per sequence: k, v [B, H_kv, D].
+    def begin_decode(self, seqs: list[SequenceKV], layer: int | None = None) -> DecodeBatch:
+        """Prepare a decode step that commits one new token per sequence.
 
-        One scatter writes every token into its tail (a tail holds at most
-        R + G - 1 tokens between steps, so there is room); the sequences whose
-        tail thereby reaches R + G flush their oldest G tokens into a new
-        block, all in one flush call (a kernel where one runs).
+        Applies the flush rule first: a tail about to reach R + G tokens has
+        its oldest G quantized into a new block now, in every layer at once
+        (one host sync, before the step's graph; flushing after the write
+        would sync inside the forward, once per layer). The pools end the step
+        exactly as with a flush after the write: the same G tokens are
+        quantized and the tail is shifted the same way. The sequences'
+        bookkeeping is advanced here, for the token the step will write.
+
+        Args:
+            seqs: the batch; with ``layer=None`` every layer of each must hold
+                the same tokens (so they do between forwards).
+            layer: prepare only this layer (the batch then serves it alone).
+
+        Returns:
+            The step's DecodeBatch, for ``write_decode`` and ``attend_decode``.
         """
         g, r = self.config.group_size, self.config.residual
+        n = self.num_layers
+        first = 0 if layer is None else layer
+        before = [(s.tail_lens[first], s.blocks_used[first]) for s in seqs]
+        if layer is None:
+            for s, (t, nb) in zip(seqs, before):
+                if s.tail_lens.count(t) != n or s.blocks_used.count(nb) != n:
+                    raise RuntimeError("a batched decode step needs every layer of a sequence to hold the same tokens")
+        full = [i for i, (t, _) in enumerate(before) if t == r + g - 1]
+        if full:
+            ids = [self._block_for(seqs[i], before[i][1]) for i in full]
+            pools = self.pools if layer is None else [self.pools[layer]]
+            flush_layers(pools, [seqs[i].slot for i in full], ids, [r + g - 1] * len(full),
+                         bits=self.config.bits, group_size=g)
+        tails, blocks = [t + 1 for t, _ in before], [nb for _, nb in before]
+        for i in full:
+            tails[i], blocks[i] = r, blocks[i] + 1
+        for s, t, nb in zip(seqs, tails, blocks):
+            if layer is None:
+                s.tail_lens, s.blocks_used = [t] * n, [nb] * n
+            else:
+                s.tail_lens[layer], s.blocks_used[layer] = t, nb
+        offsets = [nb * g + t for t, nb in before]
+        return DecodeBatch(
+            seqs,
+            slots=mx.array([s.slot for s in seqs], dtype=mx.int32),
+            write_pos=mx.array([t - 1 for t in tails], dtype=mx.int32),
+            block_tables=self._block_tables(seqs, blocks),
+            num_blocks=mx.array(blocks, dtype=mx.int32),
+            tail_lens=mx.array(tails, dtype=mx.int32),
+            offsets=offsets[0] if len(offsets) == 1 else mx.array(offsets, dtype=mx.int32),
+        )
+
+    def write_decode(self, layer: int, batch: DecodeBatch, k: mx.array, v: mx.array) -> None:
+        """Write the step's new tokens k, v [B, H_kv, D] into ``layer``'s tails."""
         pool = self.pools[layer]
-        slots = mx.array([s.slot for s in seqs], dtype=mx.int32)
-        pos = mx.array([s.tail_lens[layer] for s in seqs], dtype=mx.int32)
         # tail[slots, :, pos]: [B, H_kv, D] (numpy rules: advanced axes first)
-        pool.tail_k[slots, :, pos] = k.astype(pool.tail_k.dtype)
-        pool.tail_v[slots, :, pos] = v.astype(pool.tail_v.dtype)
-        full = []
-        for s in seqs:
-            s.tail_lens[layer] += 1
-            if s.tail_lens[layer] == r + g:
-                full.append(s)
-        if not full:
-            return
-        ids = [self._block_for(s, s.blocks_used[layer]) for s in full]
-        flush(pool, mx.array([s.slot for s in full], dtype=mx.int32), mx.array(ids, dtype=mx.int32),
-              mx.array([r + g] * len(full), dtype=mx.int32), bits=self.config.bits, group_size=g)
-        for s in full:
-            s.tail_lens[layer] -= g
-            s.blocks_used[layer] += 1
+        pool.tail_k[batch.slots, :, batch.write_pos] = _as(k, pool.tail_k.dtype)
+        pool.tail_v[batch.slots, :, batch.write_pos] = _as(v, pool.tail_v.dtype)
+
+    def append_decode(self, layer: int, seqs: list[SequenceKV], k: mx.array, v: mx.array) -> None:
+        """Commit one new token per sequence to ``layer`` alone: k, v [B, H_kv, D].
+
+        A tail holds at most R + G - 1 tokens between steps; one that would
+        reach R + G flushes its oldest G tokens into a new block.
+        """
+        self.write_decode(layer, self.begin_decode(seqs, layer), k, v)
 
     # ---- reads -----------------------------------------------------------
+
+    def attend_decode(self, layer: int, batch: DecodeBatch, q: mx.array, scale: float) -> mx.array:
+        """``decode_attend`` for a step prepared by ``begin_decode`` (its tokens written).
+
+        Args:
+            q: [B, H_q, D].
+
+        Returns:
+            [B, H_q, D].
+        """
+        return decode_attend(q, self.pools[layer], batch.block_tables, batch.num_blocks, batch.slots,
+                             batch.tail_lens, scale=scale, bits=self.config.bits,
+                             group_size=self.config.group_size)
 
     def dense_past(self, layer: int, seq: SequenceKV) -> tuple[mx.array, mx.array]:
         """The sequence's committed K and V in ``layer`` as [H_kv, S, D] (blocks
@@ -250,13 +339,17 @@ class KiviStore:
         Returns:
             [B, H_q, D].
         """
-        max_nb = max(1, max(s.blocks_used[layer] for s in seqs))
-        table = [s.block_ids[: s.blocks_used[layer]] + [0] * (max_nb - s.blocks_used[layer]) for s in seqs]
+        blocks = [s.blocks_used[layer] for s in seqs]
         return decode_attend(
             q, self.pools[layer],
-            mx.array(table, dtype=mx.int32),
-            mx.array([s.blocks_used[layer] for s in seqs], dtype=mx.int32),
+            self._block_tables(seqs, blocks),
+            mx.array(blocks, dtype=mx.int32),
             mx.array([s.slot for s in seqs], dtype=mx.int32),
             mx.array([s.tail_lens[layer] for s in seqs], dtype=mx.int32),
             scale=scale, bits=self.config.bits, group_size=self.config.group_size,
         )
+
+
+def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    """x in ``dtype``, without a graph node when it already is."""
+    return x if x.dtype == dtype else x.astype(dtype)

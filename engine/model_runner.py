@@ -45,10 +45,16 @@ class ModelRunner:
         """One token per sequence, all in one forward (per-sequence RoPE
         offsets come from the caches).
 
+        The step's slots, lengths, block tables and flushes are prepared once
+        for all layers (``KiviStore.begin_decode``); each layer then only
+        writes its token and attends.
+
         Returns:
             [B, V] logits.
         """
-        logits = self.model(mx.array(tokens)[:, None], cache=self._caches(seqs))
+        batch = self.store.begin_decode(seqs)
+        caches = [KiviLayerCache(self.store, layer, seqs, batch=batch) for layer in range(self.store.num_layers)]
+        logits = self.model(mx.array([[t] for t in tokens]), cache=caches)
         return logits[:, -1]
 
     def settle(self, *arrays: mx.array) -> None:

@@ -15,7 +15,8 @@ import os
 import mlx.core as mx
 
 from kernels import kivi_cuda, kivi_metal
-from kernels.kivi_reference import decode_attention, flush_tails
+from kernels.kivi_quant import quantize_key_blocks, quantize_value_blocks
+from kernels.kivi_reference import check_flush_args, decode_attention, flush_tails
 from kernels.layout import KiviPool
 
 ENV = "KIVIQ_KERNELS"  # "reference" forces the reference; "auto" (default) picks
@@ -124,4 +125,52 @@ def flush(
                        group_size=group_size)
 
 
-__all__ = ["backend", "decode_attend", "flush", "kernel_available"]
+def flush_layers(
+    pools: list[KiviPool],
+    slots: list[int] | mx.array,
+    new_block_ids: list[int] | mx.array,
+    tail_lens: list[int] | mx.array,
+    *,
+    bits: int,
+    group_size: int = 32,
+    use_kernel: bool | None = None,
+) -> None:
+    """`flush` of the same slots into the same block ids of several pools (a
+    model's layers), with one host sync for all of them instead of one per pool.
+
+    The pools end bit-identical to calling `flush` on each. The flushed tails' rows
+    of every pool are gathered and evaluated first; after that no pending op reads
+    the pools, so the quantization and the scatters stay lazy and still update the
+    pools in place when the caller's next graph (a decode step) is evaluated.
+    `use_kernel` as in `decode_attend`.
+    """
+    if not pools:
+        return
+    g = group_size
+    checked = check_flush_args(pools[0], slots, new_block_ids, tail_lens, bits=bits, group_size=g)
+    if checked is None:
+        return
+    slots, ids = checked
+    # rows: [F, H_kv, R + G, D] per pool and tail.
+    rows = [(pool.tail_k[slots], pool.tail_v[slots]) for pool in pools]
+    mx.eval(rows)
+    mod = _module(backend(use_kernel))
+    d = pools[0].k_codes.shape[2]
+    kernel = mod is not None and d in mod.HEAD_DIMS and pools[0].k_scales.dtype in mod.POOL_DTYPES
+    if use_kernel and mod is not None and not kernel:
+        raise ValueError(f"use_kernel=True, but the flush kernel does not support D={d}")
+    names = ("k_codes", "k_scales", "k_zeros", "v_codes", "v_scales", "v_zeros")
+    for pool, (rows_k, rows_v) in zip(pools, rows):
+        if kernel:  # the kernel's launch, without kivi_flush's own gathers and eval
+            launch, template, params = mod.flush_launch(pool, rows_k, bits=bits, group_size=g)
+            quantized = mod.FLUSH_KERNEL(inputs=[rows_k, rows_v, params], template=template, **launch)
+        else:  # as flush_tails
+            quantized = (*quantize_key_blocks(rows_k[:, :, :g], bits=bits, scale_dtype=pool.k_scales.dtype),
+                         *quantize_value_blocks(rows_v[:, :, :g], bits=bits, scale_dtype=pool.v_scales.dtype))
+        for name, arr in zip(names, quantized):
+            getattr(pool, name)[ids] = arr
+        for tail, r in ((pool.tail_k, rows_k), (pool.tail_v, rows_v)):
+            tail[slots] = mx.concatenate([r[:, :, g:], mx.zeros_like(r[:, :, :g])], axis=2)
+
+
+__all__ = ["backend", "decode_attend", "flush", "flush_layers", "kernel_available"]

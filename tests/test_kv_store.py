@@ -83,6 +83,41 @@ def test_batched_decode_append_equals_one_by_one():
             np.testing.assert_array_equal(np.array(x), np.array(y))
 
 
+def test_step_prepared_once_for_all_layers_equals_per_layer_decode():
+    """The engine's path (one DecodeBatch per step, flushes of every layer at
+    once before the writes) leaves every pool exactly as per-layer appends
+    (flush after the write) and attends to the same values."""
+    g, r = 16, 32
+    a, b = make_store(4, g, r, slots=8, layers=3), make_store(4, g, r, slots=8, layers=3)
+    lens = [1, r + g - 3, r + g - 1, 100, 2 * g + r - 1]
+    seqs_a, seqs_b = [a.new_sequence() for _ in lens], [b.new_sequence() for _ in lens]
+    for layer in range(3):
+        for sa, sb, n in zip(seqs_a, seqs_b, lens):
+            x = mx.random.normal((H_KV, n, D))
+            a.append(layer, sa, x, -x)
+            b.append(layer, sb, x, -x)
+    for step in range(g + 3):  # every sequence flushes at least once
+        batch = a.begin_decode(seqs_a)
+        assert a.free_blocks == b.free_blocks - sum(1 for s in seqs_b if s.tail_lens[0] == r + g - 1)
+        for layer in range(3):
+            k = mx.random.normal((len(lens), H_KV, D))
+            q = mx.random.normal((len(lens), 4, D))
+            a.write_decode(layer, batch, k, -k)
+            b.append_decode(layer, seqs_b, k, -k)
+            np.testing.assert_array_equal(np.array(a.attend_decode(layer, batch, q, 0.1)),
+                                          np.array(b.decode_attend(layer, seqs_b, q, 0.1)))
+        mx.eval([a.pools, b.pools])
+        for sa, sb in zip(seqs_a, seqs_b):
+            assert (sa.tail_lens, sa.blocks_used, sa.block_ids) == (sb.tail_lens, sb.blocks_used, sb.block_ids)
+        for pa, pb in zip(a.pools, b.pools):
+            for x, y in zip(pa, pb):
+                np.testing.assert_array_equal(np.array(x), np.array(y))
+    k = mx.random.normal((1, H_KV, D))
+    a.append_decode(0, seqs_a[:1], k, k)  # layer 0 now holds one token more
+    with pytest.raises(RuntimeError, match="same tokens"):
+        a.begin_decode(seqs_a)
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_cache_decode_attention_matches_dense_attention_on_stored_kv(bits):
     """The merge of quantized blocks and tail is exact: attention through the
