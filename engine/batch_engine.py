@@ -19,7 +19,7 @@ from engine.detokenizer import make_detokenizer
 from engine.kv_store import KiviStore
 from engine.model_runner import ModelRunner
 from engine.request import Request, StepEvent, TokenLogprob
-from engine.sampler import RowState, sample
+from engine.sampler import RowState, Sampled, sample
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stop import StopMatcher, final_text
@@ -34,6 +34,11 @@ class _Runtime:
     detokenizer: Any
     stopper: StopMatcher
     row: RowState
+
+
+def _same(a: list[Sequence], b: list[Sequence]) -> bool:
+    """The same sequence objects in the same order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 class _StoreCounts:
@@ -69,15 +74,21 @@ class Engine:
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, store: KiviStore, *,
-                 max_batch_tokens: int = 1024, reserve_tokens: int = 64):
+                 max_batch_tokens: int = 1024, reserve_tokens: int = 64, pipeline: bool = True):
         self.model = model
+        # Steady decoding overlaps host and device: step n+1's graph is built on
+        # step n's sampled tokens (still on the device) and step n's events are
+        # emitted while it runs, as mlx-lm's generate_step does for one request.
+        self.pipeline = pipeline
+        self._inflight: tuple[list[Sequence], Sampled] | None = None
         self.tokenizer = tokenizer
         self.kv_store = store
         self.runner = ModelRunner(model, store)
         self.scheduler = Scheduler(_StoreCounts(store), max_batch_tokens, reserve_tokens)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
-        self.stats = {"decode_tokens": 0, "prefill_tokens": 0, "preemptions": 0, "steps": 0}
+        self.stats = {"decode_tokens": 0, "prefill_tokens": 0, "preemptions": 0, "steps": 0,
+                      "pipelined_steps": 0}
 
     @property
     def capacity(self) -> int:
@@ -101,7 +112,8 @@ class Engine:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request now; its KV blocks are free when this returns."""
+        """Drop a request now; its KV blocks are free when this returns. A draw
+        of a pipelined step still in flight for it is discarded."""
         seq = self._seqs.get(request_id)
         if seq is None:
             return False
@@ -109,8 +121,13 @@ class Engine:
         return True
 
     def step(self) -> list[StepEvent]:
-        """Run one scheduling step; returns the events it produced."""
-        events = self._expire()
+        """Run one scheduling step; returns the events it produced.
+
+        With pipelining, a decode step's events come out one step later (the
+        next call, or the first call that is not a steady continuation).
+        """
+        events = self._land() if self._inflight is not None and not self._steady() else []
+        events += self._expire()
         plan = self.scheduler.schedule()
         self.stats["steps"] += 1
         for seq in plan.preempt:
@@ -137,16 +154,69 @@ class Engine:
     # ---- phases ----------------------------------------------------------
 
     def _decode(self, seqs: list[Sequence]) -> list[StepEvent]:
+        prev, events = self._inflight, []
+        if prev is not None and not _same(prev[0], seqs):
+            events, prev = self._land(), None
+        self._inflight = None
         try:
-            logits = self.runner.decode([s.kv for s in seqs], [s.generated[-1] for s in seqs])
+            # In steady state the inputs are the previous step's draws, still lazy.
+            inputs = prev[1].tokens if prev is not None else [s.generated[-1] for s in seqs]
+            logits = self.runner.decode([s.kv for s in seqs], inputs)
             sampled = sample(logits, [s.runtime.row for s in seqs])
-            self.runner.settle(*sampled.arrays())
+            if self.pipeline and self._can_pipeline(seqs):
+                self.runner.launch(*sampled.arrays())
+                self._inflight = (seqs, sampled)
+                self.stats["pipelined_steps"] += 1
+            else:
+                self.runner.settle(*sampled.arrays())
         except Exception as e:  # the batch cannot tell whose fault: all end
             log.exception("decode step failed")
-            return [self._end(s, [], "", "error", f"{type(e).__name__}: {e}") for s in seqs]
-        self.stats["decode_tokens"] += len(seqs)
+            self._inflight = None
+            if prev is not None:
+                events += self._emit_sampled(*prev)
+            return events + [self._end(s, [], "", "error", f"{type(e).__name__}: {e}")
+                             for s in seqs if self._seqs.get(s.request_id) is s]
+        if prev is not None:  # the device runs this step while the last one is emitted
+            events += self._emit_sampled(*prev)
+        if self._inflight is None:
+            events += self._emit_sampled(seqs, sampled)
+        return events
+
+    def _can_pipeline(self, seqs: list[Sequence]) -> bool:
+        """Whether this step may stay in flight while the next one is built.
+
+        Not with a repetition penalty (the next draw needs this token in the
+        history on the host), and not near the end of KV memory (the scheduler
+        counts tokens one step late while a step is in flight, so two steps'
+        worth of new blocks must be free).
+        """
+        return (all(s.runtime.row.params.repetition_penalty == 1.0 for s in seqs)
+                and self.kv_store.free_blocks >= 2 * len(seqs))
+
+    def _steady(self) -> bool:
+        """The next step decodes exactly the in-flight sequences and nothing
+        else: nobody waits or prefills, and memory cannot force a preemption."""
+        seqs = self._inflight[0]
+        sched = self.scheduler
+        return (not sched.waiting and not sched.prefilling and _same(sched.running, seqs)
+                and self._can_pipeline(seqs))
+
+    def _land(self) -> list[StepEvent]:
+        """Emit the in-flight decode step (waits for the device)."""
+        seqs, sampled = self._inflight
+        self._inflight = None
+        return self._emit_sampled(seqs, sampled)
+
+    def _emit_sampled(self, seqs: list[Sequence], sampled: Sampled) -> list[StepEvent]:
+        """Events of one decode step's draws; rows of sequences that ended or
+        were aborted meanwhile (a draw made after their end) are dropped."""
         tokens = sampled.tokens.tolist()
-        return [self._emit(s, t, lp) for s, t, lp in zip(seqs, tokens, sampled.row_logprobs(tokens))]
+        events = []
+        for s, t, lp in zip(seqs, tokens, sampled.row_logprobs(tokens)):
+            if self._seqs.get(s.request_id) is s:
+                events.append(self._emit(s, t, lp))
+        self.stats["decode_tokens"] += len(events)
+        return events
 
     def _prefill(self, seq: Sequence, n: int) -> list[StepEvent]:
         chunk = seq.context[seq.prefilled: seq.prefilled + n]

@@ -41,7 +41,7 @@ class ModelRunner:
         logits = self.model(tokens, cache=self._caches(seqs, lengths))
         return logits[mx.arange(len(prompts)), mx.array(lengths) - 1]
 
-    def decode(self, seqs: list[SequenceKV], tokens: list[int]) -> mx.array:
+    def decode(self, seqs: list[SequenceKV], tokens: list[int] | mx.array) -> mx.array:
         """One token per sequence, all in one forward (per-sequence RoPE
         offsets come from the caches).
 
@@ -54,8 +54,14 @@ class ModelRunner:
         """
         batch = self.store.begin_decode(seqs)
         caches = [KiviLayerCache(self.store, layer, seqs, batch=batch) for layer in range(self.store.num_layers)]
-        logits = self.model(mx.array([[t] for t in tokens]), cache=caches)
+        ids = tokens[:, None] if isinstance(tokens, mx.array) else mx.array([[t] for t in tokens])
+        logits = self.model(ids, cache=caches)
         return logits[:, -1]
+
+    def launch(self, *arrays: mx.array) -> None:
+        """Start evaluating outputs and every pending pool write, without waiting
+        (a pipelined decode step; the next step's graph is built meanwhile)."""
+        mx.async_eval(*arrays, self.store.pools)
 
     def settle(self, *arrays: mx.array) -> None:
         """Evaluate outputs and every pending pool write, so the next step's

@@ -16,11 +16,13 @@ TEXT = ("The old lighthouse keeper climbed the spiral stairs every evening, coun
         "aloud while the gulls circled and the sea rolled grey beneath the cliffs. ")
 
 
-def make_engine(model, tok, *, blocks=256, slots=16, reserve_tokens=64, max_batch_tokens=256) -> Engine:
+def make_engine(model, tok, *, blocks=256, slots=16, reserve_tokens=64, max_batch_tokens=256,
+                pipeline=True) -> Engine:
     install_attention_hook()
     layers, h_kv, d = attention_shape(model)
     store = KiviStore(layers, h_kv, d, config=KV, num_blocks=blocks, num_slots=slots, dtype=model_dtype(model))
-    return Engine(model, tok, store, max_batch_tokens=max_batch_tokens, reserve_tokens=reserve_tokens)
+    return Engine(model, tok, store, max_batch_tokens=max_batch_tokens, reserve_tokens=reserve_tokens,
+                  pipeline=pipeline)
 
 
 def prompts(tok, n):
@@ -39,6 +41,68 @@ def test_batch_equals_single(smollm2):
         alone = run(make_engine(model, tok), [req])
         assert batched[req.request_id] == alone[req.request_id], req.request_id
         assert len(alone[req.request_id]) <= req.max_tokens
+
+
+def test_pipelined_decode_equals_step_by_step(smollm2):
+    """Overlapping a step's device work with the next step's graph building changes
+    no token: greedy, seeded and stop-string requests joining, ending and aborted
+    mid-run give the same events with pipelining on and off."""
+    model, tok = smollm2
+    ps = prompts(tok, 6)
+
+    def reqs():
+        return [Request("g0", ps[0], 20), Request("g1", ps[1], 9),
+                Request("s", ps[2], 16, SamplingParams(temperature=0.8, top_k=40, seed=11)),
+                Request("t", ps[3], 24, SamplingParams(temperature=0.7, min_p=0.05, seed=5)),
+                Request("stop", ps[4], 30, stop=["the"]),
+                Request("late", ps[5], 12)]
+
+    def drive(engine):
+        out, step, pending = {}, 0, reqs()
+        while pending or engine.has_work():
+            if pending and step % 3 == 0:
+                engine.add(pending.pop(0))
+            if step == 14:
+                engine.abort("g0")
+            for ev in engine.step():
+                assert ev.finish_reason != "error", ev.error
+                tokens, text, reason = out.get(ev.request_id, ([], "", None))
+                out[ev.request_id] = (tokens + ev.token_ids, text + ev.text, ev.finish_reason or reason)
+            step += 1
+        assert engine.kv_store.used_bytes() == 0
+        return out
+
+    plain = make_engine(model, tok, pipeline=False)
+    piped = make_engine(model, tok, pipeline=True)
+    a, b = drive(piped), drive(plain)
+    # An abort drops a draw still in flight: the aborted request may end one token
+    # earlier, never with a different token.
+    assert b["g0"][0][: len(a["g0"][0])] == a["g0"][0] and len(a["g0"][0]) >= len(b["g0"][0]) - 1
+    del a["g0"], b["g0"]
+    assert a == b
+    assert plain.stats["pipelined_steps"] == 0
+    assert piped.stats["pipelined_steps"] > 10
+    assert piped.stats["decode_tokens"] >= plain.stats["decode_tokens"] - 1
+
+
+def test_pipelined_decode_writes_the_pool_in_place(smollm2):
+    """A step in flight while the next is built must not make MLX copy the pool
+    (the next step's token writes and flushes would then copy whole tails)."""
+    model, tok = smollm2
+    engine = make_engine(model, tok, blocks=2048, slots=16)
+    for i, p in enumerate(prompts(tok, 4)):
+        engine.add(Request(f"r{i}", p, 200))
+    for _ in range(8):  # prefill, then steady pipelined decoding
+        engine.step()
+    pools = sum(p.nbytes for p in engine.kv_store.pools)
+    mx.eval(engine.kv_store.pools)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    before = engine.stats["pipelined_steps"]
+    for _ in range(40):  # includes flushes (G = 16)
+        engine.step()
+    assert engine.stats["pipelined_steps"] - before >= 39
+    assert mx.get_peak_memory() - base < pools / 4, (mx.get_peak_memory() - base, pools)
 
 
 def test_seeded_sampling_is_independent_of_companions(smollm2):
