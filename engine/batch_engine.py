@@ -74,11 +74,12 @@ class Engine:
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, store: KiviStore, *,
-                 max_batch_tokens: int = 1024, reserve_tokens: int = 64, pipeline: bool = True):
+                 max_batch_tokens: int = 1024, reserve_tokens: int = 64, pipeline: bool = False):
         self.model = model
-        # Steady decoding overlaps host and device: step n+1's graph is built on
-        # step n's sampled tokens (still on the device) and step n's events are
-        # emitted while it runs, as mlx-lm's generate_step does for one request.
+        # Optional: steady decoding overlaps host and device (step n+1's graph is
+        # built on step n's sampled tokens, still on the device, and step n's events
+        # are emitted while it runs, as mlx-lm's generate_step does for one request).
+        # Off by default: on the H200 it measured no gain (docs/benchmarks.md).
         self.pipeline = pipeline
         self._inflight: tuple[list[Sequence], Sampled] | None = None
         self.tokenizer = tokenizer
