@@ -162,6 +162,21 @@ HEADER = r"""
 #define KIVI_NEG_INF (__int_as_float(0xff800000))
 #define KIVI_FULL 0xffffffffu
 
+// Indices shared by both split kernels (grid: x = splits in groups of NW warps,
+// y = kv head, z = sequence; params = [max blocks, blocks per split, splits, R + G]).
+#define KIVI_SPLIT_INDICES                          \
+  const int lane = threadIdx.x & 31;                \
+  const int warp = threadIdx.x >> 5;                \
+  const int h = blockIdx.y;                         \
+  const int b = blockIdx.z;                         \
+  const int H_kv = gridDim.y;                       \
+  const int mbs = params[0];                        \
+  const int bps = params[1];                        \
+  const int nsplit = params[2];                     \
+  const int RG = params[3];                         \
+  const int nsu = nsplit + 1;                       \
+  const int split = blockIdx.x * NW + warp;
+
 __device__ __forceinline__ float kivi_f(float x) { return x; }
 __device__ __forceinline__ float kivi_f(__half x) { return __half2float(x); }
 __device__ __forceinline__ float kivi_f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -475,17 +490,7 @@ ATTEND_SOURCE = r"""
   __shared__ __align__(16) float qs[D * REP];         // [D][REP] q * scale * log2(e)
   __shared__ __align__(16) float ps[NW * REP * STEP];  // per warp: [REP][STEP] p
 
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int h = blockIdx.y;
-  const int b = blockIdx.z;
-  const int H_kv = gridDim.y;
-  const int mbs = params[0];
-  const int bps = params[1];
-  const int nsplit = params[2];
-  const int RG = params[3];
-  const int nsu = nsplit + 1;
-  const int split = blockIdx.x * NW + warp;
+  KIVI_SPLIT_INDICES
 
   // q rows of this kv head's query heads are contiguous: [REP][D].
   {
@@ -665,17 +670,7 @@ ATTEND_MMA_SOURCE = r"""
   // uses its region for q (float) and p instead. No block-wide barrier anywhere.
   __shared__ __align__(16) uint8_t smem[NW * WB];
 
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int h = blockIdx.y;
-  const int b = blockIdx.z;
-  const int H_kv = gridDim.y;
-  const int mbs = params[0];
-  const int bps = params[1];
-  const int nsplit = params[2];
-  const int RG = params[3];
-  const int nsu = nsplit + 1;
-  const int split = blockIdx.x * NW + warp;
+  KIVI_SPLIT_INDICES
   if (split >= nsu) return;
   const T* qp = q + ((size_t)b * H_kv + h) * (REP * D);
   const float qscale = qscale_in[0];
