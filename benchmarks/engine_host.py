@@ -8,20 +8,22 @@ sequences are prefilled (prompt lengths ``context + i``, so their flushes
 fall on different steps), then every decode step with all B running is timed:
 
 - build: wall time from the start of ``Engine.step()`` until the runner's
-  final eval call (``ModelRunner.settle``): scheduling, the model's graph, the
+  final eval call (``ModelRunner.settle``, or ``launch`` where the engine
+  pipelines steps and leaves one in flight): scheduling, the model's graph, the
   KV store's per-layer work, sampling, and any ``mx.eval`` made on the way
   (a host sync: on a GPU the host waits for the device there);
 - host: build minus the time spent inside those earlier ``mx.eval`` calls,
   i.e. the Python and graph-building work alone;
 - step: the whole ``Engine.step()`` (build + evaluation + emitting events);
-- evals: ``mx.eval`` calls per step, the final one included.
+- evals: ``mx.eval`` calls per step, the final one included (a pipelined
+  step's ``mx.async_eval`` is not one).
 
 With ``--attention stub`` the decode attention returns its query (the KV
 writes and flushes still run): what is left is the engine's own per-step work,
 without the CPU reference attention's graph (on a GPU the kernel's launch
 costs far less host time than that graph).
 
-Arms are code trees: ``.`` (the working tree) or a git revision, extracted
+Arms are code trees: ``.`` (the working tree), a directory, or a git revision extracted
 with ``git archive`` into a temporary directory. Each (repeat, B, arm) runs in
 its own process, arms interleaved, and the steps of all repeats are pooled
 into min / median / mean / max. Each arm's generated tokens are hashed: equal
@@ -36,6 +38,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -95,22 +98,26 @@ def child(args) -> dict:
                           kv_memory=4 << 30, max_batch_tokens=8192)
     prompts = [mx.random.randint(0, args.vocab, (args.context + i,), key=mx.random.key(i)).tolist()
                for i in range(b)]
-    marks: list[float] = []  # when the step's final eval (settle) was called
-    evals: list[float] = []  # seconds spent in each mx.eval of the step
-    settle, mx_eval = engine.runner.settle, mx.eval
+    marks: list[float] = []  # when the step's final eval (settle or launch) was called
+    evals: list[tuple[float, float]] = []  # (seconds inside, start) of each mx.eval of the step
+    mx_eval = mx.eval
 
-    def timed_settle(*arrays):
-        marks.append(time.perf_counter())
-        return settle(*arrays)
+    def marked(fn):
+        def call(*arrays):
+            marks.append(time.perf_counter())
+            return fn(*arrays)
+        return call
 
     def timed_eval(*arrays):
         t = time.perf_counter()
         try:
             return mx_eval(*arrays)
         finally:
-            evals.append(time.perf_counter() - t)
+            evals.append((time.perf_counter() - t, t))
 
-    engine.runner.settle = timed_settle
+    engine.runner.settle = marked(engine.runner.settle)
+    if hasattr(engine.runner, "launch"):  # a pipelined engine's non-blocking eval
+        engine.runner.launch = marked(engine.runner.launch)
     mx.eval = timed_eval  # kernels and the store call mx.eval through the module
     for i, p in enumerate(prompts):
         engine.add(Request(str(i), p, gen))
@@ -130,7 +137,7 @@ def child(args) -> dict:
                       and engine.stats["prefill_tokens"] == before["prefill_tokens"] and len(marks) == 1)
         if all_decode:
             build.append(marks[0] - t0)
-            host.append(marks[0] - t0 - sum(evals[:-1]))  # the last eval is settle's
+            host.append(marks[0] - t0 - sum(e for e, t in evals if t < marks[0]))
             step.append(t1 - t0)
             syncs.append(len(evals))
     digest = hashlib.sha256(json.dumps([out[str(i)] for i in range(b)]).encode()).hexdigest()[:12]
@@ -193,10 +200,11 @@ def main() -> None:
                    "--dtype", args.dtype, "--attention", args.attention]
     with tempfile.TemporaryDirectory() as tmp:
         trees = {name: arm_tree(spec, tmp) for name, spec in arms}
+        harness = shutil.copy(__file__, Path(tmp) / "engine_host.py")  # edits during a run change nothing
         for rep in range(args.repeats):
             for b in args.batch:
                 for name, _ in (arms if rep % 2 == 0 else arms[::-1]):  # alternate which arm goes first
-                    cmd = [sys.executable, __file__, "--code", trees[name], "--child-batch", str(b), *passthrough]
+                    cmd = [sys.executable, harness, "--code", trees[name], "--child-batch", str(b), *passthrough]
                     proc = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ)
                     r = json.loads(proc.stdout.strip().splitlines()[-1])
                     acc = results.setdefault((b, name), dict(build=[], host=[], step=[], evals=[], digests=set()))
