@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,22 +57,13 @@ def model_args(hidden: int, vocab: int) -> dict:
                 tie_word_embeddings=True)
 
 
-class _NullDetokenizer:
-    last_segment = ""
-
-    def add_token(self, token):
-        pass
-
-    def finalize(self):
-        pass
-
-
-class _IdTokenizer:
-    eos_token_ids: set = set()
-
-    @property
-    def detokenizer(self):
-        return _NullDetokenizer()
+# Random weights have no text: a tokenizer with no EOS whose (shared, stateless)
+# detokenizer emits nothing. The child may run an old code tree, so it relies only on
+# the engine's duck typing (benchmarks/engine.py has the same stub as classes).
+_ID_TOKENIZER = SimpleNamespace(
+    eos_token_ids=set(),
+    detokenizer=SimpleNamespace(last_segment="", add_token=lambda token: None, finalize=lambda: None),
+)
 
 
 def child(args) -> dict:
@@ -94,7 +86,7 @@ def child(args) -> dict:
     mx.eval(model.parameters())
     b = args.batch
     gen = args.warmup + args.steps + 1
-    engine = build_engine(model, _IdTokenizer(), kv_bits=args.bits, max_sequences=b,
+    engine = build_engine(model, _ID_TOKENIZER, kv_bits=args.bits, max_sequences=b,
                           kv_memory=4 << 30, max_batch_tokens=8192)
     prompts = [mx.random.randint(0, args.vocab, (args.context + i,), key=mx.random.key(i)).tolist()
                for i in range(b)]
