@@ -15,8 +15,14 @@ import os
 import mlx.core as mx
 
 from kernels import kivi_cuda, kivi_metal
-from kernels.kivi_quant import quantize_key_blocks, quantize_value_blocks
-from kernels.kivi_reference import check_flush_args, decode_attention, flush_tails
+from kernels.kivi_reference import (
+    check_flush_args,
+    decode_attention,
+    flush_tails,
+    quantize_flushed,
+    shifted_tail,
+    write_flushed,
+)
 from kernels.layout import KiviPool
 
 ENV = "KIVIQ_KERNELS"  # "reference" forces the reference; "auto" (default) picks
@@ -159,18 +165,13 @@ def flush_layers(
     kernel = mod is not None and d in mod.HEAD_DIMS and pools[0].k_scales.dtype in mod.POOL_DTYPES
     if use_kernel and mod is not None and not kernel:
         raise ValueError(f"use_kernel=True, but the flush kernel does not support D={d}")
-    names = ("k_codes", "k_scales", "k_zeros", "v_codes", "v_scales", "v_zeros")
     for pool, (rows_k, rows_v) in zip(pools, rows):
         if kernel:  # the kernel's launch, without kivi_flush's own gathers and eval
             launch, template, params = mod.flush_launch(pool, rows_k, bits=bits, group_size=g)
             quantized = mod.FLUSH_KERNEL(inputs=[rows_k, rows_v, params], template=template, **launch)
-        else:  # as flush_tails
-            quantized = (*quantize_key_blocks(rows_k[:, :, :g], bits=bits, scale_dtype=pool.k_scales.dtype),
-                         *quantize_value_blocks(rows_v[:, :, :g], bits=bits, scale_dtype=pool.v_scales.dtype))
-        for name, arr in zip(names, quantized):
-            getattr(pool, name)[ids] = arr
-        for tail, r in ((pool.tail_k, rows_k), (pool.tail_v, rows_v)):
-            tail[slots] = mx.concatenate([r[:, :, g:], mx.zeros_like(r[:, :, :g])], axis=2)
+        else:
+            quantized = quantize_flushed(pool, rows_k, rows_v, bits=bits, group_size=g)
+        write_flushed(pool, slots, ids, shifted_tail(rows_k, g), shifted_tail(rows_v, g), quantized)
 
 
 __all__ = ["backend", "decode_attend", "flush", "flush_layers", "kernel_available"]

@@ -72,7 +72,7 @@ import os
 
 import mlx.core as mx
 
-from kernels.kivi_reference import check_flush_args
+from kernels.kivi_reference import check_flush_args, shifted_tail, write_flushed
 from kernels.layout import KiviPool, check_layout
 
 LOG2E = 1.4426950408889634
@@ -1152,16 +1152,11 @@ def flush_prepare(pool: KiviPool, slots, new_block_ids, tail_lens, *, bits: int,
 
 def flush_apply(pool: KiviPool, slots, ids, rows_k, rows_v, quantized, group_size):
     """Shift the tails and scatter the new blocks, in place (see `flush_tails`)."""
-    g = group_size
-    shifted = [mx.concatenate([r[:, :, g:], mx.zeros_like(r[:, :, :g])], axis=2)
-               for r in (rows_k, rows_v)]
+    shifted = [shifted_tail(r, group_size) for r in (rows_k, rows_v)]
     # Every read of the pool (the gathers, the kernel) is finished before any write,
     # so the scatters below update the pool's buffers in place instead of copying.
     mx.eval(*quantized, *shifted)
-    for name, arr in zip(POOL_NAMES[:6], quantized):
-        getattr(pool, name)[ids] = arr
-    pool.tail_k[slots] = shifted[0]
-    pool.tail_v[slots] = shifted[1]
+    write_flushed(pool, slots, ids, *shifted, quantized)
     return pool
 
 

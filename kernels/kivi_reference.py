@@ -259,6 +259,37 @@ def check_flush_args(pool: KiviPool, slots, new_block_ids, tail_lens, *, bits: i
     return slots, ids
 
 
+
+FLUSHED = ("k_codes", "k_scales", "k_zeros", "v_codes", "v_scales", "v_zeros")
+
+
+def quantize_flushed(pool: KiviPool, rows_k: mx.array, rows_v: mx.array, *, bits: int,
+                     group_size: int) -> tuple[mx.array, ...]:
+    """The new blocks (arrays named by FLUSHED) from the oldest G rows of flushed tails.
+
+    rows_k, rows_v: [F, H_kv, R + G, D], the flushing slots' tails.
+    """
+    g = group_size
+    return (*quantize_key_blocks(rows_k[:, :, :g], bits=bits, scale_dtype=pool.k_scales.dtype),
+            *quantize_value_blocks(rows_v[:, :, :g], bits=bits, scale_dtype=pool.v_scales.dtype))
+
+
+def shifted_tail(rows: mx.array, group_size: int) -> mx.array:
+    """Tail rows [F, H_kv, R + G, D] once their oldest G tokens left: shifted down,
+    zeros at the end."""
+    g = group_size
+    return mx.concatenate([rows[:, :, g:], mx.zeros_like(rows[:, :, :g])], axis=2)
+
+
+def write_flushed(pool: KiviPool, slots: mx.array, ids: mx.array, tail_k: mx.array,
+                  tail_v: mx.array, quantized) -> None:
+    """Scatter a flush into the pool: the new blocks at ``ids``, the shifted tails
+    at ``slots`` (only those rows are rebuilt; the pool is written by scatter)."""
+    for name, arr in zip(FLUSHED, quantized):
+        getattr(pool, name)[ids] = arr
+    pool.tail_k[slots] = tail_k
+    pool.tail_v[slots] = tail_v
+
 def flush_tails(
     pool: KiviPool,
     slots: mx.array,
@@ -297,14 +328,6 @@ def flush_tails(
     # the scatter below would copy the whole tail array (measured on CUDA).
     rows_k, rows_v = pool.tail_k[slots], pool.tail_v[slots]
     mx.eval(rows_k, rows_v)
-    for tail, rows, names, quantize in (
-        (pool.tail_k, rows_k, ("k_codes", "k_scales", "k_zeros"), quantize_key_blocks),
-        (pool.tail_v, rows_v, ("v_codes", "v_scales", "v_zeros"), quantize_value_blocks),
-    ):
-        sd = getattr(pool, names[1]).dtype
-        quantized = quantize(rows[:, :, :g], bits=bits, scale_dtype=sd)
-        for name, arr in zip(names, quantized):
-            getattr(pool, name)[ids] = arr
-        # Only the F flushed rows are rebuilt; the pool itself is written by scatter.
-        tail[slots] = mx.concatenate([rows[:, :, g:], mx.zeros_like(rows[:, :, :g])], axis=2)
+    quantized = quantize_flushed(pool, rows_k, rows_v, bits=bits, group_size=g)
+    write_flushed(pool, slots, ids, shifted_tail(rows_k, g), shifted_tail(rows_v, g), quantized)
     return pool
