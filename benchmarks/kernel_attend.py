@@ -8,10 +8,12 @@ Per shape:
   1. outputs are checked first: the kernel against the float32 reference on two
      sequences (tolerance as in tests/test_kernels_gpu.py) and against
      dequantize-then-SDPA on the whole batch;
-  2. timing: variants interleaved A/B/C/A/B/C..., each timed block runs n calls over
+  2. timing: variants interleaved A/B/C/B/C/A/C/A/B... (the first arm rotates), each timed block runs n calls over
      a rotating set of >= 3 distinct inputs (more for small shapes, so the set is
      larger than the 50 MB L2), `mx.synchronize()` at both edges, `mx.async_eval`
-     per call (no blocking eval inside); min / median / max of the per-call time;
+     per call (no blocking eval inside); min / median / max of the per-call time. A
+     kernel call is one layer of a decode step: its launch plan is made once per
+     input (the engine makes it once per step for all layers), then only launched;
   3. effective bandwidth = bytes the kernel must read (codes, scales, zeros of the
      real blocks, the real tail rows, q) / median time, against an elementwise device
      copy measured in the same run (read + write bytes / time).
@@ -94,17 +96,38 @@ def make_input(b, s, bits, seed):
     return args, dense, nblk, tail
 
 
+VARIANT_ENV = {  # variant -> environment of the call
+    "auto": {kivi_cuda.KERNEL_ENV: "auto"},
+    "v1": {kivi_cuda.KERNEL_ENV: "v1"},  # the CUDA-core split kernel
+    "unbounded": {kivi_cuda.KERNEL_ENV: "auto", kivi_cuda.MIN_BLOCKS_ENV: "0"},  # MMA, no launch bounds
+    "bounded4": {kivi_cuda.KERNEL_ENV: "auto", kivi_cuda.MIN_BLOCKS_ENV: "4"},  # MMA, 4 blocks per SM
+}
+
+
+_PLANS: dict = {}  # (id of an input, bits, variant) -> its launch plan; cleared per shape
+
+
 def kernel_fn(args, bits, variant="auto"):
-    """The dispatched kernel; variant "v1" forces the CUDA-core split kernel."""
-    old = os.environ.get(kivi_cuda.KERNEL_ENV)
-    os.environ[kivi_cuda.KERNEL_ENV] = variant
-    try:
-        return dispatch.decode_attend(*args, scale=SCALE, bits=bits, use_kernel=True)
-    finally:
-        if old is None:
-            del os.environ[kivi_cuda.KERNEL_ENV]
-        else:
-            os.environ[kivi_cuda.KERNEL_ENV] = old
+    """The dispatched kernel in one of VARIANT_ENV's variants, as a decode step's layer
+    runs it: the launch plan (`dispatch.attend_plan`) is made once per input, as the
+    engine makes it once per step for all layers, and every call only launches."""
+    key = (id(args), bits, variant)
+    plan = _PLANS.get(key)
+    if plan is None:
+        env = VARIANT_ENV[variant]
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            q, pool, *meta = args
+            plan = _PLANS[key] = dispatch.attend_plan(q.shape, q.dtype, pool, *meta, scale=SCALE, bits=bits,
+                                                      use_kernel=True)
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
+    return plan(args[0], args[1])
 
 
 def sdpa_fn(q, k, v):
@@ -159,9 +182,14 @@ def time_variants(variants, inputs, repeats, target_s=0.004):
         est = time.perf_counter() - t0
         n_inner[name] = int(min(50, max(3, target_s / max(est, 1e-6))))
     out = {name: [] for name in variants}
+    names = list(variants)
     k = 0
-    for _ in range(repeats):
-        for name, fn in variants.items():
+    for r in range(repeats):
+        # Rotate which arm goes first: with a fixed order the first arm ("kernel") came
+        # out slower than a second build of the same kernel placed later in the round,
+        # in two runs, whichever build was first: a position effect, not a kernel one.
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = variants[name]
             n = n_inner[name]
             mx.synchronize()
             t0 = time.perf_counter()
@@ -226,6 +254,7 @@ def probe(bits, n=50):
             print(f"probe B={b} S={s} {name}: build {1e6 * (t1 - t0) / n:.0f} us/call, "
                   f"one eval of {n} calls {1e6 * (t2 - t1) / n:.0f} us/call", flush=True)
         del made
+        _PLANS.clear()
         mx.clear_cache()
 
 
@@ -247,6 +276,10 @@ def main():
                     help="B:S pairs to run instead of the grid, e.g. 32:8192 1:32768")
     ap.add_argument("--v1", action="store_true",
                     help="also time the CUDA-core split kernel (KIVIQ_KIVI_KERNEL=v1)")
+    ap.add_argument("--unbounded", action="store_true",
+                    help="also time the MMA kernel compiled without launch bounds (KIVIQ_KIVI_MIN_BLOCKS=0)")
+    ap.add_argument("--bounded", action="store_true",
+                    help="also time the MMA kernel compiled for 4 blocks per SM (KIVIQ_KIVI_MIN_BLOCKS=4)")
     ap.add_argument("--probe", action="store_true",
                     help="also time host-side graph building vs GPU (launch overhead)")
     a = ap.parse_args()
@@ -266,8 +299,10 @@ def main():
         probe(4)
     header = ("| B | S | bits | kernel ms min/med/max | eff. GB/s | % copy | fp16 SDPA ms med "
               "| x SDPA | deq+SDPA ms med | x deq | check (err ref / err deq) | SDPA spread |"
-              + (" v1 ms med | x v1 |" if a.v1 else ""))
-    rows = [header, "|" + "---|" * (14 if a.v1 else 12)]
+              + (" v1 ms med | x v1 |" if a.v1 else "")
+              + (" unbounded ms med | x unbounded |" if a.unbounded else "")
+              + (" bounded4 ms med | x bounded4 |" if a.bounded else ""))
+    rows = [header, "|" + "---|" * (12 + 2 * a.v1 + 2 * a.unbounded + 2 * a.bounded)]
     path = os.path.join(a.out, "kernel_attend.md")
     results = []
     print(header, flush=True)
@@ -285,6 +320,10 @@ def main():
             variants = {"kernel": lambda x, bits=bits: kernel_fn(x[0], bits)}
             if a.v1:
                 variants["v1"] = lambda x, bits=bits: kernel_fn(x[0], bits, "v1")
+            if a.unbounded:
+                variants["unbounded"] = lambda x, bits=bits: kernel_fn(x[0], bits, "unbounded")
+            if a.bounded:
+                variants["bounded4"] = lambda x, bits=bits: kernel_fn(x[0], bits, "bounded4")
             variants["sdpa"] = lambda x: sdpa_fn(x[0][0], *x[1])
             if not a.no_deq:
                 variants["deq"] = lambda x, bits=bits, tail=tail: deq_sdpa_fn(x[0], bits, tail)
@@ -294,6 +333,10 @@ def main():
             if a.v1:
                 ok_v1 = check(inputs[0][0], dq_out, bits, "v1")[0]
                 ok = ok and ok_v1
+            if a.unbounded:
+                ok = ok and check(inputs[0][0], dq_out, bits, "unbounded")[0]
+            if a.bounded:
+                ok = ok and check(inputs[0][0], dq_out, bits, "bounded4")[0]
             t = time_variants(variants, inputs, a.repeats)
             med = {k: float(np.median(v)) for k, v in t.items()}
             nbytes = kernel_bytes(b, nblk, tail, bits)
@@ -309,6 +352,10 @@ def main():
                    f"{100 * spread:.1f}% |")
             if a.v1:
                 row += f" {med['v1'] * 1e3:.3f} | {med['v1'] / km:.2f} |"
+            if a.unbounded:
+                row += f" {med['unbounded'] * 1e3:.3f} | {med['unbounded'] / km:.2f} |"
+            if a.bounded:
+                row += f" {med['bounded4'] * 1e3:.3f} | {med['bounded4'] / km:.2f} |"
             rows.append(row)
             results.append(dict(b=b, s=s, bits=bits, pct=bw / copy_bw, ok=ok, x_sdpa=med["sdpa"] / km,
                                 x_deq=(med["deq"] / km) if "deq" in med else None))
@@ -317,6 +364,7 @@ def main():
                 f.write(f"device copy bandwidth: {copy_bw / 1e12:.2f} TB/s\n\n")
                 f.write("\n".join(rows) + "\n")
             del made, inputs, variants, dq_out
+            _PLANS.clear()
             mx.clear_cache()
     lines = targets(results)
     print("\n".join(lines))

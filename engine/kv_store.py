@@ -35,7 +35,7 @@ from kernels import (
     quantize_value_blocks,
     tokens_to_blocks,
 )
-from kernels.dispatch import decode_attend, flush_layers
+from kernels.dispatch import attend_plan, decode_attend, flush_layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +91,11 @@ class DecodeBatch:
     num_blocks: mx.array  # quantized blocks, this step's flushes included
     tail_lens: mx.array  # tail tokens, the new one included
     offsets: int | mx.array  # tokens before the new one (the RoPE offset); an int when B = 1
+    # (slot, kv head, write position) of every new row, each [B, H_kv]: one scatter
+    # per tail with prepared indices (numpy-style mixed indexing rebuilt them per layer).
+    write_index: tuple[mx.array, mx.array, mx.array]
+    # The attention launch of this step (dispatch.attend_plan), made by the first layer.
+    plans: dict = field(default_factory=dict)
 
 
 class KiviStore:
@@ -274,22 +279,28 @@ class KiviStore:
             else:
                 s.tail_lens[layer], s.blocks_used[layer] = t, nb
         offsets = [nb * g + t for t, nb in before]
+        slots = mx.array([s.slot for s in seqs], dtype=mx.int32)
+        write_pos = mx.array([t - 1 for t in tails], dtype=mx.int32)
+        shape = (len(seqs), self.pools[0].tail_k.shape[1])
+        write_index = (mx.broadcast_to(slots[:, None], shape),
+                       mx.broadcast_to(mx.arange(shape[1], dtype=mx.int32)[None], shape),
+                       mx.broadcast_to(write_pos[:, None], shape))
         return DecodeBatch(
             seqs,
-            slots=mx.array([s.slot for s in seqs], dtype=mx.int32),
-            write_pos=mx.array([t - 1 for t in tails], dtype=mx.int32),
+            slots=slots,
+            write_pos=write_pos,
             block_tables=self._block_tables(seqs, blocks),
             num_blocks=mx.array(blocks, dtype=mx.int32),
             tail_lens=mx.array(tails, dtype=mx.int32),
             offsets=offsets[0] if len(offsets) == 1 else mx.array(offsets, dtype=mx.int32),
+            write_index=write_index,
         )
 
     def write_decode(self, layer: int, batch: DecodeBatch, k: mx.array, v: mx.array) -> None:
         """Write the step's new tokens k, v [B, H_kv, D] into ``layer``'s tails."""
         pool = self.pools[layer]
-        # tail[slots, :, pos]: [B, H_kv, D] (numpy rules: advanced axes first)
-        pool.tail_k[batch.slots, :, batch.write_pos] = _as(k, pool.tail_k.dtype)
-        pool.tail_v[batch.slots, :, batch.write_pos] = _as(v, pool.tail_v.dtype)
+        pool.tail_k[batch.write_index] = _as(k, pool.tail_k.dtype)
+        pool.tail_v[batch.write_index] = _as(v, pool.tail_v.dtype)
 
     def append_decode(self, layer: int, seqs: list[SequenceKV], k: mx.array, v: mx.array) -> None:
         """Commit one new token per sequence to ``layer`` alone: k, v [B, H_kv, D].
@@ -310,9 +321,14 @@ class KiviStore:
         Returns:
             [B, H_q, D].
         """
-        return decode_attend(q, self.pools[layer], batch.block_tables, batch.num_blocks, batch.slots,
-                             batch.tail_lens, scale=scale, bits=self.config.bits,
-                             group_size=self.config.group_size)
+        pool = self.pools[layer]
+        key = (q.shape, q.dtype, scale)
+        plan = batch.plans.get(key)
+        if plan is None:  # the first layer; the others share its launch plan
+            plan = batch.plans[key] = attend_plan(
+                q.shape, q.dtype, pool, batch.block_tables, batch.num_blocks, batch.slots, batch.tail_lens,
+                scale=scale, bits=self.config.bits, group_size=self.config.group_size)
+        return plan(q, pool)
 
     def dense_past(self, layer: int, seq: SequenceKV) -> tuple[mx.array, mx.array]:
         """The sequence's committed K and V in ``layer`` as [H_kv, S, D] (blocks

@@ -1,6 +1,6 @@
 """Kernel or reference: one entry point per operation.
 
-`decode_attend` and `flush` run the CUDA kernels (`kernels.kivi_cuda`) where MLX has
+`decode_attend` (or `attend_plan`, its launch prepared once for a step's layers) and `flush` run the CUDA kernels (`kernels.kivi_cuda`) where MLX has
 a CUDA backend, the Metal kernels (`kernels.kivi_metal`) on Apple silicon, and the
 plain-ops reference (`kernels.kivi_reference`) everywhere else: on CPU, for shapes the
 kernels do not cover, and whenever it is forced for an A/B run, by
@@ -11,6 +11,7 @@ kernels do not cover, and whenever it is forced for an A/B run, by
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -65,6 +66,45 @@ def _module(name: str):
     return {"cuda": kivi_cuda, "metal": kivi_metal}.get(name)
 
 
+def attend_plan(
+    q_shape: tuple[int, int, int],
+    q_dtype: mx.Dtype,
+    pool: KiviPool,
+    block_tables: mx.array,
+    num_blocks: mx.array,
+    slots: mx.array,
+    tail_lens: mx.array,
+    *,
+    scale: float,
+    bits: int,
+    group_size: int = 32,
+    use_kernel: bool | None = None,
+) -> Callable[[mx.array, KiviPool], mx.array]:
+    """`decode_attend` prepared once for many calls with the same metadata: the
+    layers of one decode step. Returns `attend(q, pool)`; every pool it is called
+    with must have `pool`'s shapes and dtypes (a model's layers do).
+
+    The choice of backend, the support checks and the kernel launch plan are made
+    here, once, instead of in every layer (~30 us of Python per call on the H200).
+    """
+    mod = _module(backend(use_kernel))
+    if mod is not None:
+        reason = mod.supports(q_shape, q_dtype, pool, bits, group_size)
+        if reason is None:
+            if q_shape[0] == 0:
+                return lambda q, _pool: mx.zeros(q.shape, dtype=q.dtype)
+            plan = getattr(mod, "AttendPlan", None)
+            if plan is not None:
+                return plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens,
+                            scale=scale, bits=bits, group_size=group_size)
+            return lambda q, p: mod.kivi_decode_attend(q, p, block_tables, num_blocks, slots, tail_lens,
+                                                       scale=scale, bits=bits, group_size=group_size)
+        if use_kernel:
+            raise ValueError(f"use_kernel=True, but the kernel does not support {reason}")
+    return lambda q, p: decode_attention(q, p, block_tables, num_blocks, slots, tail_lens,
+                                         scale=scale, bits=bits, group_size=group_size)
+
+
 def decode_attend(
     q: mx.array,
     pool: KiviPool,
@@ -89,17 +129,8 @@ def decode_attend(
     Returns:
         [B, H_q, D] in q's dtype.
     """
-    mod = _module(backend(use_kernel))
-    if mod is not None:
-        reason = mod.supports(q.shape, q.dtype, pool, bits, group_size)
-        if reason is None:
-            return mod.kivi_decode_attend(q, pool, block_tables, num_blocks, slots,
-                                          tail_lens, scale=scale, bits=bits,
-                                          group_size=group_size)
-        if use_kernel:
-            raise ValueError(f"use_kernel=True, but the kernel does not support {reason}")
-    return decode_attention(q, pool, block_tables, num_blocks, slots, tail_lens,
-                            scale=scale, bits=bits, group_size=group_size)
+    return attend_plan(q.shape, q.dtype, pool, block_tables, num_blocks, slots, tail_lens, scale=scale,
+                       bits=bits, group_size=group_size, use_kernel=use_kernel)(q, pool)
 
 
 def flush(
@@ -174,4 +205,4 @@ def flush_layers(
         write_flushed(pool, slots, ids, shifted_tail(rows_k, g), shifted_tail(rows_v, g), quantized)
 
 
-__all__ = ["backend", "decode_attend", "flush", "flush_layers", "kernel_available"]
+__all__ = ["attend_plan", "backend", "decode_attend", "flush", "flush_layers", "kernel_available"]

@@ -10,20 +10,24 @@ merge. There are two split kernels with the same inputs, outputs, grid and merge
 
   1a. `kivi_attend_split_mma` (the default wherever `mma_supports`: bits 2/4, G = 32,
      D 64/128, H_q / H_kv <= 8): tensor cores. One warp per (sequence b, kv head h,
-     split s); a split is >= 4 blocks (MMA_STEP_TOKENS). The warp double-buffers its
+     split s); a split is >= 1 block (MMA_STEP_TOKENS). The warp double-buffers its
      blocks in shared memory with cp.async (codes, scales, zeros of one (block, head)
      tile are contiguous), dequantizes K and V to the pool dtype in registers (the code
      is or-ed into the mantissa of 1024 (fp16) / 128 (bf16), that constant subtracted,
      then one packed FMA with scale and zero) straight into m16n8k16 MMA fragments,
      float32 accumulation: scores = K_hat q^T (tokens x query heads, heads padded to 8),
      online softmax in base 2, out^T += V_hat^T p^T (channels x heads). See the comment
-     above ATTEND_MMA_SOURCE for the fragment layouts. The fp16 tail split runs the
-     CUDA-core tail code shared with 1b.
+     above ATTEND_MMA_SOURCE for the fragment layouts. The fp16 tail splits run the
+     CUDA-core tail code shared with 1b. MLX compiles it with no register limit (~178
+     registers, 8 warps per SM, per ncu); `KIVIQ_KIVI_MIN_BLOCKS=N` compiles it with
+     launch bounds for N blocks per SM instead (see `bounded_declaration`).
   1b. `kivi_attend_split` (everything else: 8-bit, G != 32, D 32/256, or
      KIVIQ_KIVI_KERNEL=v1 for A/B runs): CUDA cores, float32 throughout. One warp per
      (b, h, split), 4 warps per thread block (they share (b, h) and stage its query rows
      once). Splits 0..S-1 cut the sequence's quantized blocks into chunks of `bps`
-     blocks (split-K); split S is the fp16 tail. K phase: a warp step covers 256 tokens
+     blocks (split-K); splits S, S+1, ... are the fp16 tail in chunks of TAIL_ROWS (32)
+     rows, one warp each (one warp walking up to R + G - 1 rows was the critical path
+     of a B = 1 call). K phase: a warp step covers 256 tokens
      (256 / G blocks); lane = (block, 8-token segment), loops over the D channels
      reading b bytes of codes per channel (8 codes), dequantizes in registers and keeps
      8 x rep scores. Softmax: warp max per head, exp2 against the running max, p to
@@ -34,9 +38,12 @@ merge. There are two split kernels with the same inputs, outputs, grid and merge
   log2 units, and the unnormalised output. Only real positions are read: block ids come
   from the table up to num_blocks, tail rows up to tail_len. No mask, no padding, no
   fp16 K/V in global memory.
-  2. `kivi_attend_merge`: one thread block per (b, query head), D threads: exact
-     log-sum-exp merge of the splits (weights computed once per block into shared
-     memory, then independent loads per channel), output cast to q's dtype.
+  2. `kivi_attend_merge`: one thread block per (b, query head) of 1..16 warps (about 8
+     splits per warp): exact log-sum-exp merge of the splits (weights computed once per
+     block into shared memory; warps take splits in turn, each lane D / 32 channels;
+     the warps' sums meet in shared memory), output cast to q's dtype.
+A decode step builds the launches once for all layers (`AttendPlan`, via
+`kernels.dispatch.attend_plan`); each layer then only launches.
 The number of splits comes from the SHAPE only (B, H_kv, max blocks; `split_plan`)
 and, with every length, travels as data (`params`) or in the launch grid; the
 template holds only compile-time constants (dtypes, D, G, bits, rep), so a growing
@@ -78,13 +85,18 @@ from kernels.layout import KiviPool, check_layout
 LOG2E = 1.4426950408889634
 WARPS = 4  # warps per thread block of the split kernel
 STEP_TOKENS = 256  # tokens per warp step (8 per lane)
-# The MMA kernel works block by block; a split holds at least 4 blocks (128 tokens) so
-# that B = 1 at 32k gets ~250 splits per head, not ~1000 tiny ones (merge cost).
-MMA_STEP_TOKENS = 128
+# The MMA kernel works block by block, so a split may be one block: at B = 1 and 4k
+# tokens 124 one-block splits per head spread over the GPU, where 4-block splits left
+# 2 warps per SM each walking 4 blocks in sequence (the merge reads splits in parallel).
+MMA_STEP_TOKENS = 32
 # Splits are sized so the grid holds about this many warps per SM (several waves of
 # short units; the hardware scheduler balances ragged batches).
 UNITS_PER_SM = 48
-MAX_SPLITS = 1024  # quantized splits + the tail, per (sequence, kv head)
+MAX_SPLITS = 1024  # quantized splits + the tail's, per (sequence, kv head)
+# The tail (R + G - 1 rows at most) is cut into splits of this many rows, one warp each
+# (KIVI_TAIL_ROWS in the source): one warp for all of it was the critical path at B = 1.
+TAIL_ROWS = 32
+MAX_TAIL_SPLITS = 16  # R + G <= 512
 MAX_REP = 8  # query heads per kv head handled by one warp (register budget)
 HEAD_DIMS = (32, 64, 128, 256)
 POOL_DTYPES = (mx.float16, mx.bfloat16)
@@ -117,7 +129,7 @@ def split_plan(batch: int, kv_heads: int, max_blocks: int, group_size: int,
     if steps == 0:
         return 0, step_blocks
     want = max(1, -(-(sms or num_sms()) * UNITS_PER_SM // (batch * kv_heads)))
-    want = min(want, MAX_SPLITS - 1)  # the merge keeps one weight per split in smem
+    want = min(want, MAX_SPLITS - MAX_TAIL_SPLITS)  # the merge keeps a weight per split in smem
     steps_per_split = -(-steps // min(steps, want))
     return -(-steps // steps_per_split), steps_per_split * step_blocks
 
@@ -148,6 +160,8 @@ def supports(q_shape, q_dtype, pool: KiviPool, bits: int, group_size: int) -> st
         return f"dtypes q={q_dtype} pool={pool.k_scales.dtype}"
     if pool.tail_k.dtype != pool.k_scales.dtype:
         return "tail and scale dtypes differ"
+    if -(-pool.tail_k.shape[2] // TAIL_ROWS) > MAX_TAIL_SPLITS:
+        return f"R + G = {pool.tail_k.shape[2]} (kernel: <= {TAIL_ROWS * MAX_TAIL_SPLITS})"
     try:
         check_layout(bits, group_size, d)
     except ValueError as e:
@@ -163,7 +177,10 @@ HEADER = r"""
 #define KIVI_FULL 0xffffffffu
 
 // Indices shared by both split kernels (grid: x = splits in groups of NW warps,
-// y = kv head, z = sequence; params = [max blocks, blocks per split, splits, R + G]).
+// y = kv head, z = sequence; params = [max blocks, blocks per split, quantized splits,
+// R + G, tail splits]). Splits 0 .. nsplit-1 read quantized blocks; split nsplit + j
+// reads tail rows j * KIVI_TAIL_ROWS .. + KIVI_TAIL_ROWS - 1.
+#define KIVI_TAIL_ROWS 32
 #define KIVI_SPLIT_INDICES                          \
   const int lane = threadIdx.x & 31;                \
   const int warp = threadIdx.x >> 5;                \
@@ -174,7 +191,7 @@ HEADER = r"""
   const int bps = params[1];                        \
   const int nsplit = params[2];                     \
   const int RG = params[3];                         \
-  const int nsu = nsplit + 1;                       \
+  const int nsu = nsplit + params[4];               \
   const int split = blockIdx.x * NW + warp;
 
 __device__ __forceinline__ float kivi_f(float x) { return x; }
@@ -231,16 +248,25 @@ template <> __device__ __forceinline__ float kivi_bits_f<__nv_bfloat16>(uint32_t
   return __uint_as_float(bits << 16);
 }
 
-// 8 consecutive fp16/bf16 values (16 bytes, aligned) as floats.
+// 8 fp16/bf16 values packed in 16 bytes, as floats.
 template <typename SD>
-__device__ __forceinline__ void kivi_load8f(const SD* p, float* x) {
-  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+__device__ __forceinline__ void kivi_unpack8f(const uint4 u, float* x) {
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     x[2 * k] = kivi_bits_f<SD>(w[k] & 0xffffu);
     x[2 * k + 1] = kivi_bits_f<SD>(w[k] >> 16);
   }
+}
+
+// 8 consecutive fp16/bf16 values (16 bytes, aligned) as floats.
+template <typename SD>
+__device__ __forceinline__ void kivi_load8f(const SD* p, float* x) {
+  kivi_unpack8f<SD>(__ldg(reinterpret_cast<const uint4*>(p)), x);
+}
+
+__device__ __forceinline__ uint4 kivi_ld16(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
 __device__ __forceinline__ float kivi_warp_max(float x) {
@@ -273,9 +299,11 @@ __device__ __forceinline__ uint32_t kivi_quantize(float x, float zf, float sf) {
   return uint32_t(q);
 }
 
-// The fp16/bf16 tail of one sequence (rows 0 .. tl-1 of tk / tv, each [R + G][D])
-// folded into a warp's running (m, l, acc): scores with lane = tail row, then
-// lane = (token offset, 8 channels) for the values. pw: this warp's [REP][PS] floats.
+// Rows 0 .. tl-1 (tl <= 32) of an fp16/bf16 tail (tk / tv, rows of D) folded into a
+// warp's running (m, l, acc): scores with lane = tail row, then lane = (token offset,
+// 8 channels) for the values. pw: this warp's [REP][PS] floats. Loads are issued in
+// batches of 4 x 16 bytes: one warp walking rows one dependent load at a time was the
+// latency of a whole B = 1 call when the tail was one split (measured).
 template <typename SD, int D, int REP, int PS>
 __device__ __forceinline__ void kivi_tail_attend(const float* qs, float* pw, const SD* tk,
                                                  const SD* tv, int tl, int lane,
@@ -283,51 +311,69 @@ __device__ __forceinline__ void kivi_tail_attend(const float* qs, float* pw, con
                                                  float (&acc)[REP][8]) {
   constexpr int LR = D / 8;
   constexpr int TPI = 32 / LR;
+  constexpr int KB = (D / 8 < 4) ? D / 8 : 4;  // 16-byte loads in flight per lane
   const int cc = lane % LR;
   const int to = lane / LR;
-  for (int c0 = 0; c0 < tl; c0 += 32) {
-    const int n = min(32, tl - c0);  // warp-uniform
-    const bool valid = lane < n;
-    float s[REP];
+  const int n = tl;  // warp-uniform, <= 32
+  const bool valid = lane < n;
+  float s[REP];
 #pragma unroll
-    for (int r = 0; r < REP; ++r) s[r] = 0.0f;
-    if (valid) {
-      const SD* row = tk + (size_t)(c0 + lane) * D;
-#pragma unroll 2
-      for (int d0 = 0; d0 < D; d0 += 8) {
+  for (int r = 0; r < REP; ++r) s[r] = 0.0f;
+  if (valid) {
+    const SD* row = tk + (size_t)lane * D;
+#pragma unroll 1
+    for (int d0 = 0; d0 < D; d0 += 8 * KB) {
+      uint4 raw[KB];
+#pragma unroll
+      for (int i = 0; i < KB; ++i) raw[i] = kivi_ld16(row + d0 + 8 * i);
+#pragma unroll
+      for (int i = 0; i < KB; ++i) {
         float x[8];
-        kivi_load8f<SD>(row + d0, x);
+        kivi_unpack8f<SD>(raw[i], x);
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
-          for (int r = 0; r < REP; ++r) s[r] = fmaf(qs[(d0 + j) * REP + r], x[j], s[r]);
+          for (int r = 0; r < REP; ++r) s[r] = fmaf(qs[(d0 + 8 * i + j) * REP + r], x[j], s[r]);
       }
     }
-#pragma unroll
-    for (int r = 0; r < REP; ++r) {
-      const float mx = fmaxf(m[r], kivi_warp_max(valid ? s[r] : KIVI_NEG_INF));
-      const float alpha = exp2f(m[r] - mx);
-      m[r] = mx;
-      l[r] *= alpha;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[r][j] *= alpha;
-      const float p = valid ? exp2f(s[r] - mx) : 0.0f;
-      l[r] += p;
-      pw[r * PS + lane] = p;
-    }
-    __syncwarp();
-    for (int t = to; t < n; t += TPI) {
-      float x[8];
-      kivi_load8f<SD>(tv + (size_t)(c0 + t) * D + cc * 8, x);
-#pragma unroll
-      for (int r = 0; r < REP; ++r) {
-        const float pr = pw[r * PS + t];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[r][j] = fmaf(pr, x[j], acc[r][j]);
-      }
-    }
-    __syncwarp();
   }
+#pragma unroll
+  for (int r = 0; r < REP; ++r) {
+    const float mx = fmaxf(m[r], kivi_warp_max(valid ? s[r] : KIVI_NEG_INF));
+    const float alpha = (mx == KIVI_NEG_INF) ? 1.0f : exp2f(m[r] - mx);  // n = 0: no row
+    m[r] = mx;
+    l[r] *= alpha;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[r][j] *= alpha;
+    const float p = valid ? exp2f(s[r] - mx) : 0.0f;
+    l[r] += p;
+    pw[r * PS + lane] = p;
+  }
+  __syncwarp();
+#pragma unroll 1
+  for (int t0 = to; t0 < n; t0 += KB * TPI) {
+    uint4 raw[KB];
+#pragma unroll
+    for (int i = 0; i < KB; ++i) {
+      const int t = t0 + i * TPI;
+      raw[i] = t < n ? kivi_ld16(tv + (size_t)t * D + cc * 8) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int i = 0; i < KB; ++i) {
+      const int t = t0 + i * TPI;
+      if (t < n) {
+        float x[8];
+        kivi_unpack8f<SD>(raw[i], x);
+#pragma unroll
+        for (int r = 0; r < REP; ++r) {
+          const float pr = pw[r * PS + t];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[r][j] = fmaf(pr, x[j], acc[r][j]);
+        }
+      }
+    }
+  }
+  __syncwarp();
 }
 
 // A warp's (m, l, acc) per query head -> part_ml / part_acc at row oi (split-major).
@@ -626,11 +672,11 @@ ATTEND_SOURCE = r"""
       __syncwarp();
     }
   } else {
-    const int tl = min(tail_lens[b], RG);
-    const size_t base = ((size_t)slots[b] * H_kv + h) * RG * D;
-    const SD* tk = tail_k + base;
-    const SD* tv = tail_v + base;
-    kivi_tail_attend<SD, D, REP, STEP>(qs, pw, tk, tv, tl, lane, m, l, acc);
+    const int row0 = (split - nsplit) * KIVI_TAIL_ROWS;
+    const int rows = max(0, min(min(tail_lens[b], RG) - row0, KIVI_TAIL_ROWS));
+    const size_t base = (((size_t)slots[b] * H_kv + h) * RG + row0) * D;
+    kivi_tail_attend<SD, D, REP, STEP>(qs, pw, tail_k + base, tail_v + base, rows, lane, m, l,
+                                       acc);
   }
   kivi_write_part<D, REP>(m, l, acc, lane, part_acc, part_ml,
                           ((size_t)(b * H_kv + h) * nsu + split) * REP);
@@ -677,7 +723,7 @@ ATTEND_MMA_SOURCE = r"""
   uint8_t* ws = smem + warp * WB;
   const size_t oi = ((size_t)(b * H_kv + h) * nsu + split) * REP;
 
-  if (split == nsplit) {  // the fp16/bf16 tail, on the CUDA cores (<= R + G - 1 rows)
+  if (split >= nsplit) {  // a chunk of the fp16/bf16 tail, on the CUDA cores
     float* qs = reinterpret_cast<float*>(ws);  // [D][REP] q * scale * log2(e)
     for (int i = lane; i < REP * D; i += 32) qs[(i % D) * REP + i / D] = kivi_f(qp[i]) * qscale;
     __syncwarp();
@@ -689,9 +735,10 @@ ATTEND_MMA_SOURCE = r"""
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[r][j] = 0.0f;
     }
-    const int tl = min(tail_lens[b], RG);
-    const size_t base = ((size_t)slots[b] * H_kv + h) * RG * D;
-    kivi_tail_attend<SD, D, REP, 32>(qs, qs + D * REP, tail_k + base, tail_v + base, tl,
+    const int row0 = (split - nsplit) * KIVI_TAIL_ROWS;
+    const int rows = max(0, min(min(tail_lens[b], RG) - row0, KIVI_TAIL_ROWS));
+    const size_t base = (((size_t)slots[b] * H_kv + h) * RG + row0) * D;
+    kivi_tail_attend<SD, D, REP, 32>(qs, qs + D * REP, tail_k + base, tail_v + base, rows,
                                      lane, m, l, acc);
     kivi_write_part<D, REP>(m, l, acc, lane, part_acc, part_ml, oi);
     return;
@@ -885,29 +932,36 @@ ATTEND_MMA_SOURCE = r"""
   }
 """
 
-# Grid: B * H_q blocks of D threads. out [B, H_q, D] in T.
+# Grid: B * H_q thread blocks of MW warps (MW = blockDim.x / 32, chosen per launch
+# from the number of splits: `merge_warps`); out [B, H_q, D] in T.
 # The splits' weights 2^(m_i - max) are computed once per block into shared memory,
-# cooperatively; then thread d sums its channel over the splits with independent
-# loads (a serial loop of dependent loads took ~0.1 ms at 500 splits).
+# cooperatively. Then warp w sums splits w, w + MW, ... with each lane holding D / 32
+# channels (vector loads; independent across splits, so they overlap), and the warps'
+# partial sums meet in shared memory. At B = 1 there are only H_q blocks and hundreds
+# of splits: one thread per channel looping over every split serially was the
+# latency of the whole call (measured, docs/benchmarks.md).
 MERGE_SOURCE = r"""
-  constexpr int NWARP = D / 32;
+  constexpr int CPL = D / 32;  // channels per lane
   __shared__ float ws[MAX_SPLITS];
-  __shared__ float red[NWARP];
+  __shared__ float red[32];
+  __shared__ __align__(16) float accs[MERGE_WARPS * D];
   const int bh = blockIdx.x;   // b * H_q + query head = (b * H_kv + h) * REP + r
-  const int d = threadIdx.x;
-  const int nsu = params[2] + 1;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int nw = blockDim.x >> 5;
+  const int nsu = params[2] + params[4];
   const size_t first = (size_t)(bh / REP) * nsu * REP + (bh % REP);  // split 0
   float mx = KIVI_NEG_INF;
-  for (int i = d; i < nsu; i += D) mx = fmaxf(mx, part_ml[(first + (size_t)i * REP) * 2]);
+  for (int i = tid; i < nsu; i += blockDim.x) mx = fmaxf(mx, part_ml[(first + (size_t)i * REP) * 2]);
   mx = kivi_warp_max(mx);
-  if ((d & 31) == 0) red[d >> 5] = mx;
+  if (lane == 0) red[warp] = mx;
   __syncthreads();
   mx = red[0];
-#pragma unroll
-  for (int w = 1; w < NWARP; ++w) mx = fmaxf(mx, red[w]);
+  for (int w = 1; w < nw; ++w) mx = fmaxf(mx, red[w]);
   __syncthreads();  // red is reused below
   float lsum = 0.0f;
-  for (int i = d; i < nsu; i += D) {
+  for (int i = tid; i < nsu; i += blockDim.x) {
     const size_t k = first + (size_t)i * REP;
     const float mi = part_ml[k * 2];
     // An empty split (m = -inf) has weight 0 and an unwritten acc: never read it.
@@ -916,20 +970,43 @@ MERGE_SOURCE = r"""
     lsum = fmaf(w, part_ml[k * 2 + 1], lsum);
   }
   lsum = kivi_warp_sum(lsum);
-  if ((d & 31) == 0) red[d >> 5] = lsum;
+  if (lane == 0) red[warp] = lsum;
   __syncthreads();
   lsum = 0.0f;
+  for (int w = 0; w < nw; ++w) lsum += red[w];
+  float a[CPL];
 #pragma unroll
-  for (int w = 0; w < NWARP; ++w) lsum += red[w];
-  float a = 0.0f;
+  for (int c = 0; c < CPL; ++c) a[c] = 0.0f;
   if (mx != KIVI_NEG_INF) {
-#pragma unroll 8
-    for (int i = 0; i < nsu; ++i) {
-      const float w = ws[i];
-      if (w != 0.0f) a = fmaf(w, part_acc[(first + (size_t)i * REP) * D + d], a);
+#pragma unroll 4
+    for (int i = warp; i < nsu; i += nw) {
+      const float w = ws[i];  // warp-uniform
+      if (w != 0.0f) {
+        const float* src = part_acc + (first + (size_t)i * REP) * D + lane * CPL;
+        if constexpr (CPL % 4 == 0) {
+#pragma unroll
+          for (int c = 0; c < CPL; c += 4) {
+            const float4 x = *reinterpret_cast<const float4*>(src + c);
+            a[c] = fmaf(w, x.x, a[c]);
+            a[c + 1] = fmaf(w, x.y, a[c + 1]);
+            a[c + 2] = fmaf(w, x.z, a[c + 2]);
+            a[c + 3] = fmaf(w, x.w, a[c + 3]);
+          }
+        } else {
+#pragma unroll
+          for (int c = 0; c < CPL; ++c) a[c] = fmaf(w, src[c], a[c]);
+        }
+      }
     }
   }
-  out[(size_t)bh * D + d] = kivi_from_f<T>(mx == KIVI_NEG_INF ? 0.0f : a / lsum);
+#pragma unroll
+  for (int c = 0; c < CPL; ++c) accs[warp * D + lane * CPL + c] = a[c];
+  __syncthreads();
+  for (int d = tid; d < D; d += blockDim.x) {
+    float s = 0.0f;
+    for (int w = 0; w < nw; ++w) s += accs[w * D + d];
+    out[(size_t)bh * D + d] = kivi_from_f<T>(mx == KIVI_NEG_INF ? 0.0f : s / lsum);
+  }
 """
 
 # Inputs: rows_k, rows_v [F, H_kv, R + G, D] (the flushing slots' tails, SD);
@@ -1046,17 +1123,23 @@ def _const(values: tuple, dtype) -> mx.array:
         mx.eval(a)
     return a
 
-def attend_launch(q, pool, block_tables, num_blocks, slots, tail_lens, *, scale, bits,
-                  group_size, warps=WARPS, sms=None, step_tokens=STEP_TOKENS):
-    """Everything a split+merge launch needs, from shapes and small int arrays.
+def attend_launch(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, *,
+                  scale, bits, group_size, warps=WARPS, sms=None, step_tokens=STEP_TOKENS,
+                  tail_rows: int | None = TAIL_ROWS):
+    """Everything a split launch needs, from shapes and small int arrays.
 
-    Returns (split kwargs, merge kwargs, params, rep); the kwargs lack `template` (and
-    the merge its inputs). All lengths and the split plan are data (`params`) or grid
-    sizes, never template values.
+    The tail is cut into splits of `tail_rows` rows (None: one split, the Metal
+    kernel's way).
+
+    Returns (meta, split kwargs, number of splits with the tail, rep): `meta` are the
+    split kernel's inputs after q and the pool's arrays (its last but one is
+    `params`, which the merge reads too); the kwargs lack `inputs` and `template`.
+    All lengths and the split plan are data (`params`) or grid sizes, never
+    template values.
     """
-    b, h_q, d = q.shape
+    b, h_q, d = q_shape
     h_kv, rg = pool.tail_k.shape[1], pool.tail_k.shape[2]
-    reason = supports(q.shape, q.dtype, pool, bits, group_size)
+    reason = supports(q_shape, q_dtype, pool, bits, group_size)
     if reason:
         raise ValueError(f"kivi kernel does not support {reason}")
     rep = h_q // h_kv
@@ -1065,34 +1148,138 @@ def attend_launch(q, pool, block_tables, num_blocks, slots, tail_lens, *, scale,
     if mb == 0:  # no quantized blocks anywhere: a dummy column, never read
         block_tables = mx.zeros((b, 1), dtype=mx.int32)
     i32 = lambda a: a if a.dtype == mx.int32 else a.astype(mx.int32)  # noqa: E731
-    params = _const((max(mb, 1), bps, nsplit, rg), mx.int32)
-    qscale = _const((float(scale) * LOG2E,), mx.float32)
-    nsu = nsplit + 1
-    attend = dict(
-        inputs=[q, *pool, i32(block_tables), i32(num_blocks), i32(slots), i32(tail_lens),
-                params, qscale],
+    tail_splits = -(-rg // tail_rows) if tail_rows else 1
+    meta = [i32(block_tables), i32(num_blocks), i32(slots), i32(tail_lens),
+            _const((max(mb, 1), bps, nsplit, rg, tail_splits), mx.int32),
+            _const((float(scale) * LOG2E,), mx.float32)]
+    nsu = nsplit + tail_splits
+    split = dict(
         grid=(-(-nsu // warps) * warps * 32, h_kv, b),
         threadgroup=(warps * 32, 1, 1),
         output_shapes=[(b, h_kv, nsu, rep, d), (b, h_kv, nsu, rep, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
-    merge = dict(
-        grid=(b * h_q * d, 1, 1),
-        threadgroup=(d, 1, 1),
-        output_shapes=[(b, h_q, d)],
-        output_dtypes=[q.dtype],
-    )
-    return attend, merge, params, rep
+    return meta, split, nsu, rep
 
 
-def attend_templates(q, pool, *, bits, group_size, rep, warps=WARPS):
+def attend_templates(q_dtype, pool, *, bits, group_size, rep, warps=WARPS):
     """(split template, merge template): compile-time constants only."""
-    d = q.shape[-1]
+    d = pool.tail_k.shape[-1]
     return (
-        [("T", q.dtype), ("SD", pool.k_scales.dtype), ("D", d), ("G", group_size),
+        [("T", q_dtype), ("SD", pool.k_scales.dtype), ("D", d), ("G", group_size),
          ("BITS", bits), ("REP", rep), ("NW", warps)],
-        [("T", q.dtype), ("D", d), ("REP", rep), ("MAX_SPLITS", MAX_SPLITS)],
+        [("T", q_dtype), ("D", d), ("REP", rep), ("MAX_SPLITS", MAX_SPLITS)],
     )
+
+
+# ---- launch bounds ------------------------------------------------------------------
+# MLX compiles a custom kernel with NVRTC and no register limit: the MMA split kernel
+# came out at 178 registers per thread (ncu), i.e. 2 blocks = 8 warps per SM, too few
+# to hide its per-block latency chain. `mx.fast.cuda_kernel` has no launch-bounds
+# option, but the header may declare the very function MLX generates (namespace
+# mlx::core::cu, name custom_kernel_<name><template tag>, one pointer per input and
+# output) with `__launch_bounds__`, and the definition inherits it. A declaration that
+# does not match (another MLX naming scheme) only declares an unused overload: the
+# kernel then runs unbounded, still correct.
+# Measured on the H200 (docs/benchmarks.md): bounded to 4 blocks (128 registers, no
+# spills, 16 warps per SM) ncu timed one isolated launch at B=32 S=8k at 165 us against
+# 199 us unbounded (separate runs), but in two interleaved benchmark runs the build
+# timed first in each round was the slower one, by up to 25%, whichever build it was (a
+# position effect of the timing loop, since fixed by rotating the order). No
+# reliable difference, so the default stays what MLX compiles; KIVIQ_KIVI_MIN_BLOCKS=N
+# compiles the kernel for N blocks per SM for the next A/B.
+MMA_MIN_BLOCKS = 0  # blocks of WARPS warps per SM the MMA kernel is compiled for; 0: no bounds
+MIN_BLOCKS_ENV = "KIVIQ_KIVI_MIN_BLOCKS"
+_CUDA_TYPES = {mx.float16: ("__half", "float16_t"), mx.bfloat16: ("__nv_bfloat16", "bfloat16_t"),
+               mx.float32: ("float", "float"), mx.int32: ("int32_t", "int32_t"),
+               mx.uint8: ("uint8_t", "uint8_t")}
+
+
+def bounded_declaration(name: str, template, inputs, outputs, threads: int,
+                        min_blocks: int) -> str:
+    """The forward declaration, with `__launch_bounds__(threads, min_blocks)`, of the
+    kernel MLX generates for `name` and `template` with these (name, dtype) inputs
+    and outputs (source that reads no `<input>_shape`/`_strides`/`_ndim`)."""
+    tag = "".join(f"_{_CUDA_TYPES[v][1]}" if isinstance(v, mx.Dtype) else f"_{int(v)}"
+                  for _, v in template)
+    args = ([f"const {_CUDA_TYPES[dt][0]}* {n}" for n, dt in inputs]
+            + [f"{_CUDA_TYPES[dt][0]}* {n}" for n, dt in outputs])
+    return ("namespace mlx::core::cu {\n"
+            f"__global__ void __launch_bounds__({threads}, {min_blocks}) "
+            f"custom_kernel_{name}{tag}({', '.join(args)});\n"
+            "}  // namespace mlx::core::cu\n")
+
+
+_BOUNDED: dict = {}
+
+
+def _mma_kernel(template, input_dtypes, min_blocks: int):
+    """The MMA split kernel compiled for `min_blocks` resident blocks (0: unbounded)."""
+    if min_blocks <= 0 or ATTEND_MMA_KERNEL is None:  # unbounded, or no CUDA here
+        return ATTEND_MMA_KERNEL
+    key = (tuple(template), tuple(input_dtypes), min_blocks)
+    kernel = _BOUNDED.get(key)
+    if kernel is None:
+        decl = bounded_declaration("kivi_attend_split_mma", template,
+                                   list(zip(ATTEND_INPUTS, input_dtypes)),
+                                   [(n, mx.float32) for n in ATTEND_OUTPUTS],
+                                   WARPS * 32, min_blocks)
+        kernel = _BOUNDED[key] = mx.fast.cuda_kernel(
+            name="kivi_attend_split_mma", input_names=ATTEND_INPUTS,
+            output_names=ATTEND_OUTPUTS, source=ATTEND_MMA_SOURCE, header=HEADER + decl)
+    return kernel
+
+
+# ---- one decode step's launches ------------------------------------------------------
+MERGE_WARPS = 16  # most warps of a merge block (its shared memory is sized for them)
+
+
+def merge_warps(num_splits: int) -> int:
+    """Warps per merge block: about 8 splits per warp, 1 .. MERGE_WARPS."""
+    return max(1, min(MERGE_WARPS, -(-num_splits // 8)))
+
+
+class AttendPlan:
+    """The launches of one decode step's attention, for every layer of a model.
+
+    Built once per step from the shapes and the step's small int arrays (block
+    tables, lengths: the same in every layer); calling it with a layer's q and pool
+    only launches the split kernel and the merge. Building it (support checks, split
+    plan, templates, argument lists) measured ~30 us of Python per layer when it was
+    redone for every layer.
+    """
+
+    __slots__ = ("split", "split_kw", "merge_kw", "meta", "params")
+
+    def __init__(self, q_shape, q_dtype, pool: KiviPool, block_tables, num_blocks, slots,
+                 tail_lens, *, scale: float, bits: int, group_size: int):
+        b, h_q, d = q_shape
+        mma = mma_supports(q_shape, pool, bits, group_size) is None
+        self.meta, self.split_kw, nsu, rep = attend_launch(
+            q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, scale=scale,
+            bits=bits, group_size=group_size, step_tokens=MMA_STEP_TOKENS if mma else STEP_TOKENS)
+        self.params = self.meta[4]
+        template, merge_template = attend_templates(q_dtype, pool, bits=bits,
+                                                    group_size=group_size, rep=rep)
+        self.split_kw["template"] = template
+        if mma:
+            min_blocks = int(os.environ.get(MIN_BLOCKS_ENV, MMA_MIN_BLOCKS))
+            dtypes = [q_dtype, *(a.dtype for a in pool), *(a.dtype for a in self.meta)]
+            self.split = _mma_kernel(template, dtypes, min_blocks)
+        else:
+            self.split = ATTEND_KERNEL
+        mw = merge_warps(nsu)
+        self.merge_kw = dict(
+            template=merge_template + [("MERGE_WARPS", MERGE_WARPS)],
+            grid=(b * h_q * mw * 32, 1, 1),
+            threadgroup=(mw * 32, 1, 1),
+            output_shapes=[(b, h_q, d)],
+            output_dtypes=[q_dtype],
+        )
+
+    def __call__(self, q: mx.array, pool: KiviPool) -> mx.array:
+        part_acc, part_ml = self.split(inputs=[q, *pool, *self.meta], **self.split_kw)
+        return MERGE_KERNEL(inputs=[part_acc, part_ml, self.params], **self.merge_kw)[0]
 
 
 def kivi_decode_attend(
@@ -1112,6 +1299,8 @@ def kivi_decode_attend(
     Same contract as `kernels.kivi_reference.decode_attention`. The split kernel is
     the tensor-core one where `mma_supports` says so (K/V dequantized to the pool's
     dtype, then MMA with float32 accumulation), else the CUDA-core one (float32).
+    A caller that attends several layers with the same metadata builds one
+    `AttendPlan` and calls it per layer instead.
 
     Args:
         q: [B, H_q, D] fp16/bf16/fp32, RoPE applied.
@@ -1131,14 +1320,9 @@ def kivi_decode_attend(
         raise RuntimeError("MLX's CUDA backend is not available")
     if q.shape[0] == 0:
         return mx.zeros(q.shape, dtype=q.dtype)
-    mma = mma_supports(q.shape, pool, bits, group_size) is None
-    attend, merge, params, rep = attend_launch(
-        q, pool, block_tables, num_blocks, slots, tail_lens, scale=scale, bits=bits,
-        group_size=group_size, step_tokens=MMA_STEP_TOKENS if mma else STEP_TOKENS)
-    t_split, t_merge = attend_templates(q, pool, bits=bits, group_size=group_size, rep=rep)
-    split_kernel = ATTEND_MMA_KERNEL if mma else ATTEND_KERNEL
-    part_acc, part_ml = split_kernel(template=t_split, **attend)
-    return MERGE_KERNEL(inputs=[part_acc, part_ml, params], template=t_merge, **merge)[0]
+    plan = AttendPlan(q.shape, q.dtype, pool, block_tables, num_blocks, slots, tail_lens,
+                      scale=scale, bits=bits, group_size=group_size)
+    return plan(q, pool)
 
 
 def flush_prepare(pool: KiviPool, slots, new_block_ids, tail_lens, *, bits: int,

@@ -436,15 +436,19 @@ def kivi_decode_attend(q, pool: KiviPool, block_tables, num_blocks, slots, tail_
         raise RuntimeError("MLX's Metal backend is not available")
     if q.shape[0] == 0:
         return mx.zeros(q.shape, dtype=q.dtype)
-    h_kv = pool.tail_k.shape[1]
-    nw = warps_for(q.shape[-1], q.shape[1] // h_kv)
-    attend, merge, params, rep = attend_launch(
-        q, pool, block_tables, num_blocks, slots, tail_lens, scale=scale, bits=bits,
-        group_size=group_size, warps=nw)
-    t_split, t_merge = attend_templates(q, pool, bits=bits, group_size=group_size,
+    b, h_q, d = q.shape
+    nw = warps_for(d, h_q // pool.tail_k.shape[1])
+    meta, split, _, rep = attend_launch(
+        q.shape, q.dtype, pool, block_tables, num_blocks, slots, tail_lens, scale=scale,
+        bits=bits, group_size=group_size, warps=nw, tail_rows=None)
+    t_split, t_merge = attend_templates(q.dtype, pool, bits=bits, group_size=group_size,
                                         rep=rep, warps=nw)
-    part_acc, part_ml = ATTEND_KERNEL(template=t_split, **attend)
-    return MERGE_KERNEL(inputs=[part_acc, part_ml, params], template=t_merge, **merge)[0]
+    part_acc, part_ml = ATTEND_KERNEL(inputs=[q, *pool, *meta], template=t_split, **split)
+    # One thread per output channel, looping over the splits (the CUDA merge spreads
+    # the splits over warps; not ported: no Apple hardware to measure it on).
+    return MERGE_KERNEL(inputs=[part_acc, part_ml, meta[4]], template=t_merge,
+                        grid=(b * h_q * d, 1, 1), threadgroup=(d, 1, 1),
+                        output_shapes=[(b, h_q, d)], output_dtypes=[q.dtype])[0]
 
 
 def kivi_flush(pool: KiviPool, slots, new_block_ids, tail_lens, *, bits: int,

@@ -262,16 +262,34 @@ def test_dispatch_uses_the_reference_without_a_gpu_kernel(monkeypatch):
 
 def test_kernel_template_holds_no_length():
     # Everything that grows (lengths, max blocks, split count) travels as data or in
-    # the grid: the template of a call depends on dtypes, D, G, bits and rep only.
+    # the grid: the templates of a step's plan depend on dtypes, D, G, bits and rep only.
     rng = np.random.default_rng(1)
-    seen = set()
+    seen, grids = set(), set()
     for lens in ([(0, 3)], [(5, 130)], [(300, 150), (1, 7)]):
-        q, pool, *_ = make_case(rng, lens=lens, h_kv=2, rep=4, d=128, bits=4,
-                                dtype=mx.float16)
-        t_split, t_merge = kivi_cuda.attend_templates(q[:1], pool, bits=4, group_size=32,
-                                                      rep=4)
-        seen.add((tuple(map(str, t_split)), tuple(map(str, t_merge))))
+        q, pool, table, nb, slots, tl = make_case(rng, lens=lens, h_kv=2, rep=4, d=128, bits=4,
+                                                  dtype=mx.float16)
+        plan = kivi_cuda.AttendPlan(q.shape, q.dtype, pool, table, nb, slots, tl, scale=0.1,
+                                    bits=4, group_size=32)
+        seen.add((tuple(map(str, plan.split_kw["template"])), tuple(map(str, plan.merge_kw["template"]))))
+        grids.add(plan.split_kw["grid"])
     assert len(seen) == 1
+    assert len(grids) == 3
+
+
+def test_launch_bounds_declaration_matches_mlx_naming():
+    """MLX names a custom kernel custom_kernel_<name><template tag> in namespace
+    mlx::core::cu, one pointer argument per input and output; the declaration that
+    gives it launch bounds must spell that exactly (ncu showed this name)."""
+    template = [("T", mx.float16), ("SD", mx.bfloat16), ("D", 128), ("G", 32), ("BITS", 4)]
+    decl = kivi_cuda.bounded_declaration("kivi_attend_split_mma", template,
+                                         [("q", mx.float16), ("k_codes", mx.uint8), ("params", mx.int32)],
+                                         [("part_ml", mx.float32)], 128, 4)
+    assert decl.startswith("namespace mlx::core::cu {\n")
+    assert ("__global__ void __launch_bounds__(128, 4) custom_kernel_kivi_attend_split_mma"
+            "_float16_t_bfloat16_t_128_32_4(const __half* q, const uint8_t* k_codes, "
+            "const int32_t* params, float* part_ml);") in decl
+    assert kivi_cuda.merge_warps(1) == 1 and kivi_cuda.merge_warps(25) == 4
+    assert kivi_cuda.merge_warps(1001) == kivi_cuda.MERGE_WARPS
 
 
 # ---- GPU parity ---------------------------------------------------------------------

@@ -106,6 +106,7 @@ def test_step_prepared_once_for_all_layers_equals_per_layer_decode():
             b.append_decode(layer, seqs_b, k, -k)
             np.testing.assert_array_equal(np.array(a.attend_decode(layer, batch, q, 0.1)),
                                           np.array(b.decode_attend(layer, seqs_b, q, 0.1)))
+        assert len(batch.plans) == 1  # one attention launch plan, shared by the 3 layers
         mx.eval([a.pools, b.pools])
         for sa, sb in zip(seqs_a, seqs_b):
             assert (sa.tail_lens, sa.blocks_used, sa.block_ids) == (sb.tail_lens, sb.blocks_used, sb.block_ids)
