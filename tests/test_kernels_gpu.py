@@ -276,6 +276,27 @@ def test_kernel_template_holds_no_length():
     assert len(grids) == 3
 
 
+def test_step_plan_cuts_the_tail_into_row_splits_and_sizes_the_merge():
+    """The host side of one decode step (no GPU needed): MMA splits of one block, the
+    tail in 32-row splits counted in params[4] (the kernels and the merge read it), and
+    a merge of about 8 splits per warp."""
+    rng = np.random.default_rng(3)
+    q, pool, table, nb, slots, tl = make_case(rng, lens=[(124, 128)], h_kv=8, rep=4, d=128, bits=4,
+                                              dtype=mx.float16)
+    plan = kivi_cuda.AttendPlan(q.shape, q.dtype, pool, table, nb, slots, tl, scale=0.1, bits=4,
+                                group_size=32)
+    mb, bps, nsplit, rg, tail_splits = np.array(plan.params).tolist()
+    assert (rg, tail_splits) == (R + 32, -(-(R + 32) // kivi_cuda.TAIL_ROWS))
+    assert bps == 1 and nsplit == mb == table.shape[1]  # B = 1: one block per split
+    nsu = nsplit + tail_splits
+    assert plan.split_kw["output_shapes"][0] == (1, 8, nsu, 4, 128)
+    assert plan.split_kw["grid"] == (-(-nsu // kivi_cuda.WARPS) * kivi_cuda.WARPS * 32, 8, 1)
+    mw = kivi_cuda.merge_warps(nsu)
+    assert plan.merge_kw["threadgroup"] == (mw * 32, 1, 1) and plan.merge_kw["grid"] == (32 * mw * 32, 1, 1)
+    too_long = allocate_pool(2, 2, 8, 128, bits=4, residual=32 * kivi_cuda.MAX_TAIL_SPLITS)
+    assert "R + G" in kivi_cuda.supports((1, 32, 128), mx.float16, too_long, 4, 32)
+
+
 def test_launch_bounds_declaration_matches_mlx_naming():
     """MLX names a custom kernel custom_kernel_<name><template tag> in namespace
     mlx::core::cu, one pointer argument per input and output; the declaration that
