@@ -80,18 +80,17 @@ class DecodeBatch:
     """One batched decode step's metadata, the same in every layer (built by
     ``KiviStore.begin_decode``; every int array is int32).
 
-    Shapes: slots, write_pos, num_blocks, tail_lens [B];
+    Shapes: slots, num_blocks, tail_lens [B];
     block_tables [B, max(1, max num_blocks)].
     """
 
     seqs: list[SequenceKV]
     slots: mx.array
-    write_pos: mx.array  # tail index of the new token
     block_tables: mx.array  # pool block ids in token order; zeros past num_blocks
     num_blocks: mx.array  # quantized blocks, this step's flushes included
     tail_lens: mx.array  # tail tokens, the new one included
     offsets: int | mx.array  # tokens before the new one (the RoPE offset); an int when B = 1
-    # (slot, kv head, write position) of every new row, each [B, H_kv]: one scatter
+    # (slot, kv head, tail index) of every new row, each [B, H_kv]: one scatter
     # per tail with prepared indices (numpy-style mixed indexing rebuilt them per layer).
     write_index: tuple[mx.array, mx.array, mx.array]
     # The attention launch of this step (dispatch.attend_plan), made by the first layer.
@@ -288,7 +287,6 @@ class KiviStore:
         return DecodeBatch(
             seqs,
             slots=slots,
-            write_pos=write_pos,
             block_tables=self._block_tables(seqs, blocks),
             num_blocks=mx.array(blocks, dtype=mx.int32),
             tail_lens=mx.array(tails, dtype=mx.int32),

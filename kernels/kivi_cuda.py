@@ -1174,8 +1174,8 @@ def attend_templates(q_dtype, pool, *, bits, group_size, rep, warps=WARPS):
 
 # ---- launch bounds ------------------------------------------------------------------
 # MLX compiles a custom kernel with NVRTC and no register limit: the MMA split kernel
-# came out at 178 registers per thread (ncu), i.e. 2 blocks = 8 warps per SM, too few
-# to hide its per-block latency chain. `mx.fast.cuda_kernel` has no launch-bounds
+# came out at 178 registers per thread (ncu), i.e. 2 blocks = 8 warps per SM, with
+# instruction issue, not bandwidth, the limit. `mx.fast.cuda_kernel` has no launch-bounds
 # option, but the header may declare the very function MLX generates (namespace
 # mlx::core::cu, name custom_kernel_<name><template tag>, one pointer per input and
 # output) with `__launch_bounds__`, and the definition inherits it. A declaration that
@@ -1245,8 +1245,8 @@ class AttendPlan:
     Built once per step from the shapes and the step's small int arrays (block
     tables, lengths: the same in every layer); calling it with a layer's q and pool
     only launches the split kernel and the merge. Building it (support checks, split
-    plan, templates, argument lists) measured ~30 us of Python per layer when it was
-    redone for every layer.
+    plan, templates, argument lists) cost ~45 us of Python per layer when it was redone
+    for every layer (H200: 66 -> 21 us build per layer, docs/benchmarks.md).
     """
 
     __slots__ = ("split", "split_kw", "merge_kw", "meta", "params")
