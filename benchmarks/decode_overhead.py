@@ -192,14 +192,20 @@ class Arms:
         return times
 
     def _kiviq(self, arm: str, b: int) -> list[float]:
-        engine = build_engine(self.model, ID_TOKENIZER, kv_bits=self.args.bits, max_sequences=b,
-                              kv_memory=self.args.kv_gb << 30, max_batch_tokens=1 << 16)
         prompts = self.prompts(b)
         n = self.args.warmup + self.args.steps
+        # KV budget: --kv-gb, else the fp16 size of the run (a 4 GB default held only part
+        # of B=32 x 4k at 4 bits, so the prefill loop below preempted forever).
+        tokens = sum(map(len, prompts)) + b * (n + 2)
+        kv_bytes = (self.args.kv_gb << 30) if self.args.kv_gb else tokens * 36 * 8 * 128 * 2 * 2
+        engine = build_engine(self.model, ID_TOKENIZER, kv_bits=self.args.bits, max_sequences=b,
+                              kv_memory=kv_bytes, max_batch_tokens=1 << 16)
         for i, p in enumerate(prompts):
             engine.add(Request(str(i), p, n + 2))
         while engine.stats["prefill_tokens"] < sum(map(len, prompts)):
             engine.step()
+            if engine.stats["preemptions"]:
+                raise SystemExit(f"the KV budget ({kv_bytes >> 20} MiB) does not hold B={b}; raise --kv-gb")
         times = []
         if arm == "engine":
             for i in range(n):
@@ -233,7 +239,8 @@ def main() -> None:
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--kv-gb", type=int, default=4, dest="kv_gb")
+    p.add_argument("--kv-gb", type=int, default=None, dest="kv_gb",
+                   help="KV memory budget (default: the fp16 size of the run's tokens)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--arms", nargs="+", default=["mlxlm", "runner", "no-attend", "no-kv", "engine"])
     p.add_argument("--skip-ops", action="store_true")

@@ -13,14 +13,19 @@ merge. There are two split kernels with the same inputs, outputs, grid and merge
      split s); a split is >= 1 block (MMA_STEP_TOKENS). The warp double-buffers its
      blocks in shared memory with cp.async (codes, scales, zeros of one (block, head)
      tile are contiguous), dequantizes K and V to the pool dtype in registers (the code
-     is or-ed into the mantissa of 1024 (fp16) / 128 (bf16), that constant subtracted,
-     then one packed FMA with scale and zero) straight into m16n8k16 MMA fragments,
+     is or-ed into the mantissa of a power of two whose ulp weighs 1 at the code's bit
+     position, that constant subtracted, then one packed FMA with scale and zero:
+     `kivi_deq4`) straight into m16n8k16 MMA fragments,
      float32 accumulation: scores = K_hat q^T (tokens x query heads, heads padded to 8),
      online softmax in base 2, out^T += V_hat^T p^T (channels x heads). See the comment
      above ATTEND_MMA_SOURCE for the fragment layouts. The fp16 tail splits run the
-     CUDA-core tail code shared with 1b. MLX compiles it with no register limit (~178
-     registers, 8 warps per SM, per ncu); `KIVIQ_KIVI_MIN_BLOCKS=N` compiles it with
-     launch bounds for N blocks per SM instead (see `bounded_declaration`).
+     CUDA-core tail code shared with 1b. The dequantization costs one LOP3 (and-or
+     into a magic exponent placed so that no shift is needed where the code fits the
+     mantissa), one subtract and one FMA per pair; shared addresses are per-lane bases
+     plus constants. That cut ~1160 to ~910 instructions per (block, head) tile and
+     178-213 to 128 registers as MLX compiles it (ncu; 16 warps per SM), 1.2-1.4x
+     faster, bit-identical output. `KIVIQ_KIVI_MIN_BLOCKS=N` compiles it with
+     launch bounds for N blocks per SM (see `bounded_declaration`).
   1b. `kivi_attend_split` (everything else: 8-bit, G != 32, D 32/256, or
      KIVIQ_KIVI_KERNEL=v1 for A/B runs): CUDA cores, float32 throughout. One warp per
      (b, h, split), 4 warps per thread block (they share (b, h) and stage its query rows
@@ -425,28 +430,71 @@ template <> __device__ __forceinline__ uint32_t kivi_pack2f<__nv_bfloat16>(float
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Code j of each 16-bit half of w, dequantized as (code * scale + zero) in SD with one
-// rounding (packed FMA); s2 / z2 hold the two halves' scale and zero. The code becomes
-// an exact SD number by or-ing it into the mantissa of 1024 (fp16) or 128 (bf16) and
-// subtracting that constant: both are exact for codes below 128.
-template <typename SD, int BITS>
-__device__ __forceinline__ uint32_t kivi_deq2(uint32_t w, int j, uint32_t s2, uint32_t z2) {
-  constexpr uint32_t M = ((1u << BITS) - 1u) * 0x00010001u;
-  if constexpr (kivi_same<SD, __half>::value) {
-    uint32_t t = ((w >> (j * BITS)) & M) | 0x64006400u;
-    __half2 x = *reinterpret_cast<__half2*>(&t);
-    const uint32_t magic = 0x64006400u;
-    x = __hsub2(x, *reinterpret_cast<const __half2*>(&magic));
+// (w & MASK) | MAGIC as one LOP3 (ptxas emitted an AND and an OR for the plain C++:
+// ncu counted 2 LOP3 per dequantized pair).
+template <uint32_t MASK, uint32_t MAGIC>
+__device__ __forceinline__ uint32_t kivi_and_or(uint32_t w) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(MASK), "r"(MAGIC));
+  return r;
+}
+
+// The code at bit O (BITS wide) of each 16-bit half of w, dequantized as
+// (code * scale + zero) in SD with one rounding (packed FMA; s2 / z2 hold the two
+// halves' scale and zero). The code becomes an exact SD number by or-ing it into the
+// mantissa of the power of two 2^E whose ulp is 2^-O (E = 10 - O in fp16, 7 - O in
+// bf16), so that bit O weighs 1, and subtracting 2^E: no shift as long as the code
+// stays inside the mantissa (O + BITS <= 10 / 7).
+template <typename SD, int BITS, int O>
+__device__ __forceinline__ uint32_t kivi_deq_at(uint32_t w, uint32_t s2, uint32_t z2) {
+  constexpr bool F16 = kivi_same<SD, __half>::value;
+  constexpr int E = (F16 ? 10 : 7) - O;
+  static_assert(E >= 0 && O + BITS <= (F16 ? 10 : 7), "code outside the mantissa");
+  constexpr uint32_t M = ((1u << BITS) - 1u) << O;
+  constexpr uint32_t H = F16 ? uint32_t(15 + E) << 10 : uint32_t(127 + E) << 7;  // 2^E
+  uint32_t t = kivi_and_or<M * 0x00010001u, H * 0x00010001u>(w);
+  constexpr uint32_t magic = H * 0x00010001u;
+  if constexpr (F16) {
+    __half2 x = __hsub2(*reinterpret_cast<__half2*>(&t), *reinterpret_cast<const __half2*>(&magic));
     x = __hfma2(x, *reinterpret_cast<const __half2*>(&s2), *reinterpret_cast<const __half2*>(&z2));
     return *reinterpret_cast<uint32_t*>(&x);
   } else {
-    uint32_t t = ((w >> (j * BITS)) & M) | 0x43004300u;
-    __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&t);
-    const uint32_t magic = 0x43004300u;
-    x = __hsub2(x, *reinterpret_cast<const __nv_bfloat162*>(&magic));
+    __nv_bfloat162 x = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&t),
+                               *reinterpret_cast<const __nv_bfloat162*>(&magic));
     x = __hfma2(x, *reinterpret_cast<const __nv_bfloat162*>(&s2),
                 *reinterpret_cast<const __nv_bfloat162*>(&z2));
     return *reinterpret_cast<uint32_t*>(&x);
+  }
+}
+
+// Codes j = 0..3 of each 16-bit half of w (4 * BITS bits per half, code j at bit
+// j * BITS), dequantized as pairs x[j]. Shifts only where a code would leave the
+// mantissa: fp16 4-bit one shift per word, fp16 2-bit none, bf16 4-bit three, bf16
+// 2-bit one (the per-code shift + and + or was 2-3 instructions per pair).
+template <typename SD, int BITS>
+__device__ __forceinline__ void kivi_deq4(uint32_t w, uint32_t s2, uint32_t z2, uint32_t (&x)[4]) {
+  constexpr bool F16 = kivi_same<SD, __half>::value;
+  if constexpr (BITS == 2 && F16) {
+    x[0] = kivi_deq_at<SD, 2, 0>(w, s2, z2);
+    x[1] = kivi_deq_at<SD, 2, 2>(w, s2, z2);
+    x[2] = kivi_deq_at<SD, 2, 4>(w, s2, z2);
+    x[3] = kivi_deq_at<SD, 2, 6>(w, s2, z2);
+  } else if constexpr (BITS == 2) {
+    x[0] = kivi_deq_at<SD, 2, 0>(w, s2, z2);
+    x[1] = kivi_deq_at<SD, 2, 2>(w, s2, z2);
+    x[2] = kivi_deq_at<SD, 2, 4>(w, s2, z2);
+    x[3] = kivi_deq_at<SD, 2, 2>(w >> 4, s2, z2);
+  } else if constexpr (F16) {
+    const uint32_t w8 = w >> 8;
+    x[0] = kivi_deq_at<SD, 4, 0>(w, s2, z2);
+    x[1] = kivi_deq_at<SD, 4, 4>(w, s2, z2);
+    x[2] = kivi_deq_at<SD, 4, 0>(w8, s2, z2);
+    x[3] = kivi_deq_at<SD, 4, 4>(w8, s2, z2);
+  } else {
+    x[0] = kivi_deq_at<SD, 4, 0>(w, s2, z2);
+    x[1] = kivi_deq_at<SD, 4, 0>(w >> 4, s2, z2);
+    x[2] = kivi_deq_at<SD, 4, 0>(w >> 8, s2, z2);
+    x[3] = kivi_deq_at<SD, 4, 0>(w >> 12, s2, z2);
   }
 }
 
@@ -809,28 +857,30 @@ ATTEND_MMA_SOURCE = r"""
 
     // ---- K phase: scores of tokens 4g + {0,1} (m-tile 0) and 4g + {2,3} (m-tile 1)
     // Two accumulators per m-tile (even and odd k-tiles): two independent MMA chains.
+    // Every shared address below is a per-lane base plus a compile-time offset (one
+    // LDS [R + imm] each; offsets kept in registers cost an IADD3 per load and registers).
     float sc[2][4], sc2[2][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) sc[i][j] = sc2[i][j] = 0.0f;
+    const uint8_t* kl = kc + (2 * f) * KROW + g * UB;  // channel 2f, tokens 4g ..
+    const SD* ksl = ks + 2 * f;
+    const SD* kzl = kz + 2 * f;
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) {
-      const int c0 = kt * 16 + 2 * f;
-      const uint32_t w01 = kivi_unit2<BITS>(kc, c0 * KROW + g * UB, (c0 + 1) * KROW + g * UB);
-      const uint32_t w89 = kivi_unit2<BITS>(kc, (c0 + 8) * KROW + g * UB, (c0 + 9) * KROW + g * UB);
-      const uint32_t s01 = *reinterpret_cast<const uint32_t*>(ks + c0);
-      const uint32_t z01 = *reinterpret_cast<const uint32_t*>(kz + c0);
-      const uint32_t s89 = *reinterpret_cast<const uint32_t*>(ks + c0 + 8);
-      const uint32_t z89 = *reinterpret_cast<const uint32_t*>(kz + c0 + 8);
+      const uint8_t* kk = kl + kt * 16 * KROW;
+      const uint32_t s01 = *reinterpret_cast<const uint32_t*>(ksl + kt * 16);
+      const uint32_t z01 = *reinterpret_cast<const uint32_t*>(kzl + kt * 16);
+      const uint32_t s89 = *reinterpret_cast<const uint32_t*>(ksl + kt * 16 + 8);
+      const uint32_t z89 = *reinterpret_cast<const uint32_t*>(kzl + kt * 16 + 8);
+      uint32_t x01[4], x89[4];
+      kivi_deq4<SD, BITS>(kivi_unit2<BITS>(kk, 0, KROW), s01, z01, x01);
+      kivi_deq4<SD, BITS>(kivi_unit2<BITS>(kk, 8 * KROW, 9 * KROW), s89, z89, x89);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        kivi_mma<SD>((kt & 1) ? sc2[mt] : sc[mt],
-                     kivi_deq2<SD, BITS>(w01, 2 * mt, s01, z01),
-                     kivi_deq2<SD, BITS>(w01, 2 * mt + 1, s01, z01),
-                     kivi_deq2<SD, BITS>(w89, 2 * mt, s89, z89),
-                     kivi_deq2<SD, BITS>(w89, 2 * mt + 1, s89, z89),
-                     qb[kt][0], qb[kt][1]);
+        kivi_mma<SD>((kt & 1) ? sc2[mt] : sc[mt], x01[2 * mt], x01[2 * mt + 1], x89[2 * mt],
+                     x89[2 * mt + 1], qb[kt][0], qb[kt][1]);
       }
     }
 #pragma unroll
@@ -866,41 +916,42 @@ ATTEND_MMA_SOURCE = r"""
       pk.y = kivi_pack2f<SD>(p[2], p[3]);
       *reinterpret_cast<uint2*>(pt + (2 * f + e) * G + 4 * g) = pk;
     }
+    // Rescale only when some head's running max moved (rare after the first blocks).
+    if (__any_sync(KIVI_FULL, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-    for (int i = 0; i < 2 * MP; ++i) {
-      oacc[i][0] *= alpha[0];
-      oacc[i][1] *= alpha[1];
-      oacc[i][2] *= alpha[0];
-      oacc[i][3] *= alpha[1];
+      for (int i = 0; i < 2 * MP; ++i) {
+        oacc[i][0] *= alpha[0];
+        oacc[i][1] *= alpha[1];
+        oacc[i][2] *= alpha[0];
+        oacc[i][3] *= alpha[1];
+      }
     }
     __syncwarp();
 
     // ---- V phase: tokens 8f + 4kt + {0,1} (k 2f, 2f+1) and + {2,3} (k 2f+8, 2f+9) ----
     const uint4 pq = *reinterpret_cast<const uint4*>(pt + g * G + 8 * f);  // query head g
+    const SD* vsl = vs + 8 * f;
+    const SD* vzl = vz + 8 * f;
 #pragma unroll
-    for (int kt = 0; kt < 2; ++kt) {
-      const int ta = 8 * f + 4 * kt;
-      const uint32_t pb0 = kt ? pq.z : pq.x;
-      const uint32_t pb1 = kt ? pq.w : pq.y;
+    for (int mp = 0; mp < MP; ++mp) {
+      // unit: channels 32mp + 4g .. +3, in the swizzled chunk of rows 8f .. 8f+7
+      const int u0 = (mp * 8 + g) * UB;
+      const uint8_t* vl = vc + 8 * f * VROW + ((((u0 >> 4) ^ (f & (NCH - 1))) << 4) | (u0 & 15));
 #pragma unroll
-      for (int mp = 0; mp < MP; ++mp) {
-        // unit: channels 32mp + 4g .. +3, in the swizzled chunk of rows 8f .. 8f+7
-        const int u0 = (mp * 8 + g) * UB;
-        const int u = (((u0 >> 4) ^ (f & (NCH - 1))) << 4) | (u0 & 15);
-        const uint32_t wa = kivi_unit2<BITS>(vc, ta * VROW + u, (ta + 1) * VROW + u);
-        const uint32_t wb = kivi_unit2<BITS>(vc, (ta + 2) * VROW + u, (ta + 3) * VROW + u);
-        const uint32_t sa = *reinterpret_cast<const uint32_t*>(vs + mp * G + ta);
-        const uint32_t za = *reinterpret_cast<const uint32_t*>(vz + mp * G + ta);
-        const uint32_t sb = *reinterpret_cast<const uint32_t*>(vs + mp * G + ta + 2);
-        const uint32_t zb = *reinterpret_cast<const uint32_t*>(vz + mp * G + ta + 2);
+      for (int kt = 0; kt < 2; ++kt) {
+        const int ta = 4 * kt;  // token offset within the lane's rows 8f ..
+        const uint32_t sa = *reinterpret_cast<const uint32_t*>(vsl + mp * G + ta);
+        const uint32_t za = *reinterpret_cast<const uint32_t*>(vzl + mp * G + ta);
+        const uint32_t sb = *reinterpret_cast<const uint32_t*>(vsl + mp * G + ta + 2);
+        const uint32_t zb = *reinterpret_cast<const uint32_t*>(vzl + mp * G + ta + 2);
+        uint32_t xa[4], xb[4];
+        kivi_deq4<SD, BITS>(kivi_unit2<BITS>(vl, ta * VROW, (ta + 1) * VROW), sa, za, xa);
+        kivi_deq4<SD, BITS>(kivi_unit2<BITS>(vl, (ta + 2) * VROW, (ta + 3) * VROW), sb, zb, xb);
+        const uint32_t pb0 = kt ? pq.z : pq.x;
+        const uint32_t pb1 = kt ? pq.w : pq.y;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          kivi_mma<SD>(oacc[2 * mp + i],
-                       kivi_deq2<SD, BITS>(wa, 2 * i, sa, za),
-                       kivi_deq2<SD, BITS>(wa, 2 * i + 1, sa, za),
-                       kivi_deq2<SD, BITS>(wb, 2 * i, sb, zb),
-                       kivi_deq2<SD, BITS>(wb, 2 * i + 1, sb, zb),
-                       pb0, pb1);
+          kivi_mma<SD>(oacc[2 * mp + i], xa[2 * i], xa[2 * i + 1], xb[2 * i], xb[2 * i + 1], pb0, pb1);
         }
       }
     }
@@ -1174,7 +1225,7 @@ def attend_templates(q_dtype, pool, *, bits, group_size, rep, warps=WARPS):
 
 # ---- launch bounds ------------------------------------------------------------------
 # MLX compiles a custom kernel with NVRTC and no register limit: the MMA split kernel
-# came out at 178 registers per thread (ncu), i.e. 2 blocks = 8 warps per SM, with
+# once came out at 178 registers per thread (ncu), i.e. 2 blocks = 8 warps per SM, with
 # instruction issue, not bandwidth, the limit. `mx.fast.cuda_kernel` has no launch-bounds
 # option, but the header may declare the very function MLX generates (namespace
 # mlx::core::cu, name custom_kernel_<name><template tag>, one pointer per input and
@@ -1182,11 +1233,10 @@ def attend_templates(q_dtype, pool, *, bits, group_size, rep, warps=WARPS):
 # does not match (another MLX naming scheme) only declares an unused overload: the
 # kernel then runs unbounded, still correct.
 # Measured on the H200 (docs/benchmarks.md): bounded to 4 blocks (128 registers, no
-# spills, 16 warps per SM) ncu timed one isolated launch at B=32 S=8k at 165 us against
-# 199 us unbounded (separate runs), but in two interleaved benchmark runs the build
-# timed first in each round was the slower one, by up to 25%, whichever build it was (a
-# position effect of the timing loop, since fixed by rotating the order). No
-# reliable difference, so the default stays what MLX compiles; KIVIQ_KIVI_MIN_BLOCKS=N
+# spills) ncu timed one isolated launch at B=32 S=8k at 165 us against 199 us unbounded,
+# but interleaved benchmark runs did not separate the builds reliably. Since the
+# dequantization rewrite the unbounded build itself gets 128 registers (4 blocks per SM;
+# shared memory allows 5), so the default stays unbounded; KIVIQ_KIVI_MIN_BLOCKS=N
 # compiles the kernel for N blocks per SM for the next A/B.
 MMA_MIN_BLOCKS = 0  # blocks of WARPS warps per SM the MMA kernel is compiled for; 0: no bounds
 MIN_BLOCKS_ENV = "KIVIQ_KIVI_MIN_BLOCKS"
