@@ -42,6 +42,7 @@ from benchmarks.engine_host import _ID_TOKENIZER as ID_TOKENIZER  # noqa: E402
 from benchmarks.engine_host import model_args  # noqa: E402
 from engine import Request, build_engine  # noqa: E402
 from engine import kv_store as kv_store_module  # noqa: E402
+from engine.kivi_cache import attention_shape  # noqa: E402
 from kernels import dispatch  # noqa: E402
 
 def stats(xs: list[float], unit: float = 1e6) -> str:
@@ -196,8 +197,10 @@ class Arms:
         n = self.args.warmup + self.args.steps
         # KV budget: --kv-gb, else the fp16 size of the run (a 4 GB default held only part
         # of B=32 x 4k at 4 bits, so the prefill loop below preempted forever).
+        layers, kv_heads, head_dim = attention_shape(self.model)
         tokens = sum(map(len, prompts)) + b * (n + 2)
-        kv_bytes = (self.args.kv_gb << 30) if self.args.kv_gb else tokens * 36 * 8 * 128 * 2 * 2
+        kv_bytes = ((self.args.kv_gb << 30) if self.args.kv_gb
+                    else tokens * layers * kv_heads * head_dim * 2 * 2)  # K and V, 2 bytes each
         engine = build_engine(self.model, ID_TOKENIZER, kv_bits=self.args.bits, max_sequences=b,
                               kv_memory=kv_bytes, max_batch_tokens=1 << 16)
         for i, p in enumerate(prompts):

@@ -452,8 +452,8 @@ __device__ __forceinline__ uint32_t kivi_deq_at(uint32_t w, uint32_t s2, uint32_
   static_assert(E >= 0 && O + BITS <= (F16 ? 10 : 7), "code outside the mantissa");
   constexpr uint32_t M = ((1u << BITS) - 1u) << O;
   constexpr uint32_t H = F16 ? uint32_t(15 + E) << 10 : uint32_t(127 + E) << 7;  // 2^E
-  uint32_t t = kivi_and_or<M * 0x00010001u, H * 0x00010001u>(w);
-  constexpr uint32_t magic = H * 0x00010001u;
+  constexpr uint32_t magic = H * 0x00010001u;  // 2^E in both halves
+  uint32_t t = kivi_and_or<M * 0x00010001u, magic>(w);
   if constexpr (F16) {
     __half2 x = __hsub2(*reinterpret_cast<__half2*>(&t), *reinterpret_cast<const __half2*>(&magic));
     x = __hfma2(x, *reinterpret_cast<const __half2*>(&s2), *reinterpret_cast<const __half2*>(&z2));
