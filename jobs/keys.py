@@ -64,6 +64,22 @@ def alive_key(worker_name: str) -> str:
     return f"{PREFIX}:alive:{worker_name}"
 
 
+def claim_key(worker_name: str) -> str:
+    """List of the job ids a worker has taken off a queue and not yet given back
+    (ended in rq, or requeued); see worker.claims."""
+    return f"{PREFIX}:claimed:{worker_name}"
+
+
+def claim_pattern() -> str:
+    """SCAN pattern matching every ``claim_key``."""
+    return f"{PREFIX}:claimed:*"
+
+
+def recovery_lock_key() -> str:
+    """Held while one worker requeues a dead worker's jobs, so no job is requeued twice."""
+    return f"{PREFIX}:recovery-lock"
+
+
 def worker_stats_key(worker_name: str) -> str:
     """JSON snapshot of one worker's metrics (``kiviq top``), kept alive by a TTL."""
     return f"{PREFIX}:stats:worker:{worker_name}"

@@ -1,24 +1,29 @@
 """Requeue jobs whose worker died (SIGKILL, crash, lost machine).
 
-Every kiviq worker keeps a short-TTL liveness key while it runs. A job in a
-StartedJobRegistry whose worker has no liveness key is an orphan: it goes
-back to the front of its queue (its stream then restarts cleanly, see
-BatchWorker) until it has been attempted ``max_attempts`` times, then fails.
+Every kiviq worker keeps a short-TTL liveness key while it runs, and a claim
+list of the jobs it holds (worker.claims). A claimed job whose worker has no
+liveness key is an orphan, whether the worker died while running it or in
+the moment between taking it and marking it started: it goes back to the
+front of its queue (its stream then restarts cleanly, see BatchWorker) until
+it has been attempted ``max_attempts`` times, then fails.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 
 from redis import Redis
 from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
 
-from jobs.keys import alive_key
+from jobs.keys import alive_key, recovery_lock_key
 from jobs.models import EventType, FinishReason, StreamEvent
 from jobs.publisher import EventPublisher
+from worker.claims import claimants, claimed, release
 
 log = logging.getLogger("kiviq.worker")
 
@@ -26,6 +31,9 @@ log = logging.getLogger("kiviq.worker")
 # than this TTL would let another worker requeue its jobs, so keep it well
 # above the longest step. Tests shorten it to see recovery quickly.
 ALIVE_TTL_S = float(os.environ.get("KIVIQ_ALIVE_TTL_S", "60"))
+# Outlives any recovery pass; a holder that dies frees it by expiry.
+RECOVERY_LOCK_MS = 30_000
+ENDED = (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED)
 
 
 def mark_alive(conn: Redis, worker_name: str) -> None:
@@ -36,43 +44,78 @@ def mark_dead(conn: Redis, worker_name: str) -> None:
     conn.delete(alive_key(worker_name))
 
 
-def requeue_orphans(conn: Redis, queues: list[Queue], *, max_attempts: int) -> list[str]:
-    """Requeue (or fail, past ``max_attempts``) started jobs of dead workers.
+def requeue_orphans(conn: Redis, queues: list[Queue], *, max_attempts: int,
+                    also: tuple[str, ...] = (), wait_s: float = 0.0) -> list[str]:
+    """Requeue (or fail, past ``max_attempts``) the unfinished jobs of dead workers.
+
+    A worker is dead when its liveness key is gone; its claim list (see
+    worker.claims) names every job it took and did not give back.
+
+    Args:
+        conn: Redis connection.
+        queues: the queues jobs come from (others are opened by name).
+        max_attempts: runs of a job before a dead worker fails it for good.
+        also: workers to treat as dead although alive: a restarted worker
+            that reuses its old name recovers its own previous claims.
+        wait_s: how long to wait while another worker is recovering (0:
+            skip this pass; the next one will look again).
 
     Returns:
-        The ids of the jobs handled.
+        The ids of the jobs requeued or failed.
     """
-    handled = []
-    for queue in queues:
-        registry = queue.started_job_registry
-        for job_id in registry.get_job_ids(cleanup=False):
-            try:
-                job = Job.fetch(job_id, connection=conn, serializer=queue.serializer)
-            except NoSuchJobError:
+    # Two workers recovering the same claim list would requeue its jobs twice.
+    deadline = time.monotonic() + wait_s
+    while not conn.set(recovery_lock_key(), 1, nx=True, px=RECOVERY_LOCK_MS):
+        if time.monotonic() >= deadline:
+            return []
+        time.sleep(0.05)
+    try:
+        by_name = {q.name: q for q in queues}
+        handled = []
+        for worker_name in claimants(conn):
+            if worker_name not in also and conn.exists(alive_key(worker_name)):
                 continue
-            if job.get_status(refresh=False) != JobStatus.STARTED:
-                continue
-            if job.worker_name and conn.exists(alive_key(job.worker_name)):
-                continue
-            attempts = int(job.meta.get("kiviq_attempts", 1))
-            with conn.pipeline() as pipe:
-                registry.remove_executions(job, pipeline=pipe)
-                if attempts >= max_attempts:
-                    message = f"worker {job.worker_name} died while running this job ({attempts} attempts)"
-                    queue.failed_job_registry.add(job, exc_string=message, pipeline=pipe)
-                    job.set_status(JobStatus.FAILED, pipeline=pipe)
-                    pipe.execute()
-                    publisher = EventPublisher(conn)
-                    publisher.publish([StreamEvent(job_id=job.id, seq=publisher.next_seq(job.id),
-                                                   type=EventType.error, finish_reason=FinishReason.error,
-                                                   error=message)])
-                    log.warning("job %s failed: %s", job.id, message)
-                else:
-                    job.meta["kiviq_attempts"] = attempts + 1
-                    job.save_meta()
-                    pipe.execute()
-                    queue._enqueue_job(job, at_front=True)
-                    log.warning("job %s requeued: worker %s is gone (attempt %d of %d)",
-                                job.id, job.worker_name, attempts + 1, max_attempts)
-            handled.append(job.id)
-    return handled
+            for job_id in claimed(conn, worker_name):
+                if _recover(conn, by_name, worker_name, job_id, max_attempts):
+                    handled.append(job_id)
+        return handled
+    finally:
+        conn.delete(recovery_lock_key())
+
+
+def _recover(conn: Redis, by_name: dict[str, Queue], worker_name: str, job_id: str, max_attempts: int) -> bool:
+    """Give one claimed job of a dead worker back to its queue, or fail it.
+
+    Returns:
+        Whether the job was requeued or failed (False: it had already ended,
+        or no longer exists, and only its claim was left).
+    """
+    try:
+        job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+    except NoSuchJobError:
+        release(conn, worker_name, job_id)
+        return False
+    if job.get_status(refresh=False) in ENDED:  # recorded in rq; only the release was lost
+        release(conn, worker_name, job_id)
+        return False
+    queue = by_name.get(job.origin) or Queue(job.origin, connection=conn, serializer=JSONSerializer)
+    attempts = int(job.meta.get("kiviq_attempts", 1))
+    with conn.pipeline() as pipe:  # MULTI: requeued (or failed) and released together
+        queue.started_job_registry.remove_executions(job, pipeline=pipe)
+        release(pipe, worker_name, job_id)
+        if attempts >= max_attempts:
+            message = f"worker {worker_name} died while running this job ({attempts} attempts)"
+            queue.failed_job_registry.add(job, exc_string=message, pipeline=pipe)
+            job.set_status(JobStatus.FAILED, pipeline=pipe)
+            pipe.execute()
+            publisher = EventPublisher(conn)
+            publisher.publish([StreamEvent(job_id=job.id, seq=publisher.next_seq(job.id), type=EventType.error,
+                                           finish_reason=FinishReason.error, error=message)])
+            log.warning("job %s failed: %s", job.id, message)
+        else:
+            job.meta["kiviq_attempts"] = attempts + 1  # saved with the job by the enqueue
+            queue._enqueue_job(job, pipeline=pipe, at_front=True)
+            pipe.execute()
+            log.warning("job %s requeued: worker %s is gone (attempt %d of %d)",
+                        job.id, worker_name, attempts + 1, max_attempts)
+    return True

@@ -2,7 +2,8 @@
 jobs into the engine between steps and streams every step's events.
 
 rq runs one job per ``work()`` iteration, so this worker drives rq's per-job
-pieces itself (DESIGN.md, "rq 3.0 facts"): ``Queue.dequeue_any`` to pull,
+pieces itself (DESIGN.md, "rq 3.0 facts"): ``worker.claims`` to pull (in
+place of ``Queue.dequeue_any``, which can lose a job to a kill),
 ``prepare_execution`` / ``prepare_job_execution`` to mark a job started,
 ``handle_job_success`` / ``handle_job_failure`` / ``Job.cancel`` when its
 sequence ends, and ``maintain_heartbeats`` while it runs.
@@ -25,7 +26,7 @@ from typing import Any
 
 import redis
 from rq import Queue, SimpleWorker
-from rq.exceptions import DequeueTimeout, DeserializationError
+from rq.exceptions import DeserializationError, NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -36,14 +37,15 @@ from jobs.keys import TASK_PATH, cancel_flag, max_queued_key, queue_names, repla
 from jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, Timing, TokenLogprob, TopLogprob, Usage
 from jobs.publisher import EventPublisher
 from jobs.validation import validate_request
+from worker import claims
 from worker.prompts import build_request
-from worker.recovery import ALIVE_TTL_S, mark_alive, mark_dead, requeue_orphans
+from worker.recovery import ALIVE_TTL_S, RECOVERY_LOCK_MS, mark_alive, mark_dead, requeue_orphans
 
 log = logging.getLogger("kiviq.worker")
 
 HEARTBEAT_EVERY_S = min(5.0, ALIVE_TTL_S / 3)
 RECOVERY_EVERY_S = float(os.environ.get("KIVIQ_RECOVERY_EVERY_S", "30"))
-IDLE_DEQUEUE_TIMEOUT_S = 1  # blocking pop while idle; short so signals are seen
+IDLE_DEQUEUE_TIMEOUT_S = 1  # waiting for a job while idle; short so signals are seen
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinities)
 
 
@@ -98,7 +100,8 @@ class BatchWorker(SimpleWorker):
         self.publisher = EventPublisher(connection)
         self.active: dict[str, ActiveJob] = {}
         self._outbox_events: list[StreamEvent] = []
-        self._outbox_endings: list[Callable[[], None]] = []
+        # (job id, rq bookkeeping): the job's claim is released once it ran.
+        self._outbox_endings: list[tuple[str, Callable[[], None]]] = []
         self._last_heartbeat = 0.0
         self._last_recovery = 0.0
         self._stop_at: float | None = None
@@ -119,6 +122,10 @@ class BatchWorker(SimpleWorker):
             self.connection.set(max_queued_key(), self.max_queued)
         self.ended = 0
         backoff = 0.5
+        # Claims under this name are from an earlier life of a worker that
+        # reused the name (our liveness key would hide them from recovery).
+        requeue_orphans(self.connection, self.queues, max_attempts=self.max_attempts, also=(self.name,),
+                        wait_s=RECOVERY_LOCK_MS / 1000)
         try:
             while True:
                 try:
@@ -174,26 +181,28 @@ class BatchWorker(SimpleWorker):
     # ---- admission -------------------------------------------------------
 
     def _admit(self, block: bool) -> None:
+        by_key = {q.key: q for q in self._ordered_queues}
+        keys = list(by_key)
         while len(self.active) < self.max_active:
-            try:
-                found = Queue.dequeue_any(
-                    self._ordered_queues,
-                    IDLE_DEQUEUE_TIMEOUT_S if block else None,
-                    connection=self.connection,
-                    job_class=self.job_class,
-                    serializer=self.serializer,
-                )
-            except DequeueTimeout:
-                return
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-                raise
-            except Exception as e:  # a job whose hash cannot even be read
-                self._fail_unreadable(getattr(e, "job_id", None), getattr(e, "queue", None), e)
-                continue
+            if block:
+                found = claims.wait_and_claim(self.connection, keys, self.name, IDLE_DEQUEUE_TIMEOUT_S)
+            else:
+                found = claims.claim_next(self.connection, keys, self.name)
             if found is None:
                 return
             block = False
-            self._start(*found)
+            queue, job_id = by_key[found[0]], found[1]
+            try:
+                job = self.job_class.fetch(job_id, connection=self.connection, serializer=self.serializer)
+            except NoSuchJobError:  # deleted while queued: nothing to run
+                claims.release(self.connection, self.name, job_id)
+                continue
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                raise  # the claim stays; recovery requeues it if we never come back
+            except Exception as e:  # a job whose hash cannot even be read
+                self._fail_unreadable(job_id, queue, e)
+                continue
+            self._start(job, queue)
 
     def _start(self, job: Job, queue: Queue) -> None:
         execution = self.prepare_execution(job)
@@ -330,7 +339,9 @@ class BatchWorker(SimpleWorker):
             self.publisher.publish(self._outbox_events)
             self._outbox_events = []
         while self._outbox_endings:
-            self._outbox_endings[0]()
+            job_id, record = self._outbox_endings[0]
+            record()
+            claims.release(self.connection, self.name, job_id)
             self._outbox_endings.pop(0)
 
     # ---- endings ---------------------------------------------------------
@@ -392,7 +403,7 @@ class BatchWorker(SimpleWorker):
                                     started_job_registry=active.queue.started_job_registry,
                                     execution=active.execution)
 
-        self._outbox_endings.append(record)
+        self._outbox_endings.append((job.id, record))
 
     def _record_failure(self, active: ActiveJob, message: str) -> None:
         job = active.job
@@ -402,7 +413,7 @@ class BatchWorker(SimpleWorker):
             self.handle_execution_ended(job, active.queue, job.failure_callback_timeout)
             self.handle_job_failure(job, active.queue, exc_string=message, execution=active.execution)
 
-        self._outbox_endings.append(record)
+        self._outbox_endings.append((job.id, record))
 
     def _finish_failed(self, active: ActiveJob, message: str) -> None:
         job = active.job
@@ -429,20 +440,19 @@ class BatchWorker(SimpleWorker):
             if job.get_status(refresh=True) != JobStatus.CANCELED:
                 job.cancel()
 
-        self._outbox_endings.append(record)
+        self._outbox_endings.append((job.id, record))
         self._ended(active, "cancelled")
         log.info("job %s cancelled after %d tokens", job.id, len(active.token_ids))
 
-    def _fail_unreadable(self, job_id: str | None, queue: Queue | None, error: Exception) -> None:
+    def _fail_unreadable(self, job_id: str, queue: Queue, error: Exception) -> None:
         """Record a job whose stored data could not be loaded at all."""
         log.warning("job %s unreadable: %s", job_id, error)
-        if not job_id or queue is None:
-            return
         message = f"unreadable job data: {describe_error(error)}"
         job = Job(id=job_id, connection=self.connection, serializer=self.serializer)
         with self.connection.pipeline() as pipe:
             queue.failed_job_registry.add(job, exc_string=message, pipeline=pipe)
             pipe.hset(job.key, mapping={"status": JobStatus.FAILED.value, "exc_info": message})
+            claims.release(pipe, self.name, job_id)
             pipe.execute()
         self.publisher.publish([StreamEvent(job_id=job_id, seq=self.publisher.next_seq(job_id),
                                             type=EventType.error, finish_reason=FinishReason.error, error=message)])
@@ -452,10 +462,11 @@ class BatchWorker(SimpleWorker):
         for active in list(self.active.values()):
             job = active.job
             self.engine.abort(job.id)
-            with self.connection.pipeline() as pipe:
+            with self.connection.pipeline() as pipe:  # MULTI: back in the queue and released together
                 self.cleanup_execution(job, pipeline=pipe, execution=active.execution)
+                active.queue._enqueue_job(job, pipeline=pipe, at_front=True)
+                claims.release(pipe, self.name, job.id)
                 pipe.execute()
-            active.queue._enqueue_job(job, at_front=True)
             if self.metrics is not None:
                 self.metrics.job_requeued(job.id)
             log.info("job %s requeued", job.id)

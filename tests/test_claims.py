@@ -1,0 +1,135 @@
+"""Claims and recovery against a real Redis, without a model: a worker killed
+at any point between taking a job and recording its end leaves the job to be
+requeued (or failed) exactly once, and nothing else is touched."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from rq import Queue, SimpleWorker
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from client import Client
+from jobs.keys import alive_key, claim_key, queue_name, queue_names, recovery_lock_key, replay_log
+from worker import claims
+from worker.recovery import mark_alive, requeue_orphans
+
+DEAD = "worker-that-was-killed"
+
+
+def queues(conn) -> list[Queue]:
+    return [Queue(n, connection=conn, serializer=JSONSerializer) for n in queue_names()]
+
+
+def keys(conn) -> list[str]:
+    return [q.key for q in queues(conn)]
+
+
+def queued_ids(conn, priority: str = "default") -> list[str]:
+    return Queue(queue_name(priority), connection=conn, serializer=JSONSerializer).get_job_ids()
+
+
+def fetch(conn, job_id: str) -> Job:
+    return Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+
+
+def test_claim_takes_the_highest_priority_job_first_and_records_it(redis_url, redis_conn):
+    client = Client(redis_url)
+    low = client.submit(prompt="low", max_tokens=1, priority="low")
+    first = client.submit(prompt="a", max_tokens=1)
+    second = client.submit(prompt="b", max_tokens=1)
+    high = client.submit(prompt="high", max_tokens=1, priority="high")
+    order = [claims.claim_next(redis_conn, keys(redis_conn), DEAD)[1] for _ in range(4)]
+    assert order == [high.job_id, first.job_id, second.job_id, low.job_id]
+    assert claims.claim_next(redis_conn, keys(redis_conn), DEAD) is None
+    assert claims.claimed(redis_conn, DEAD) == order  # every taken id is on the claim list
+    assert client.queued() == 0
+    claims.release(redis_conn, DEAD, first.job_id)
+    assert claims.claimed(redis_conn, DEAD) == [high.job_id, second.job_id, low.job_id]
+
+
+def test_wait_and_claim_returns_none_after_the_timeout(redis_conn):
+    assert claims.wait_and_claim(redis_conn, keys(redis_conn), DEAD, timeout_s=0.1) is None
+
+
+def test_killed_right_after_taking_a_job_it_goes_back_to_the_front(redis_url, redis_conn):
+    """The gap rq's LPOP leaves open: the job is in no queue and no registry."""
+    client = Client(redis_url)
+    taken = client.submit(prompt="taken", max_tokens=1)
+    waiting = client.submit(prompt="waiting", max_tokens=1)
+    claims.claim_next(redis_conn, keys(redis_conn), DEAD)
+    assert queued_ids(redis_conn) == [waiting.job_id]
+    assert requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3) == [taken.job_id]
+    assert queued_ids(redis_conn) == [taken.job_id, waiting.job_id]
+    assert fetch(redis_conn, taken.job_id).meta["kiviq_attempts"] == 2
+    assert not redis_conn.exists(claim_key(DEAD))
+    assert requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3) == []  # exactly once
+
+
+def test_killed_between_registering_and_starting_the_job_is_requeued(redis_url, redis_conn):
+    """The job is in the started registry but its status is not STARTED yet,
+    which a scan of started jobs alone would skip forever."""
+    client = Client(redis_url)
+    handle = client.submit(prompt="half started", max_tokens=1)
+    key, job_id = claims.claim_next(redis_conn, keys(redis_conn), DEAD)
+    queue = next(q for q in queues(redis_conn) if q.key == key)
+    SimpleWorker(queues(redis_conn), name=DEAD, connection=redis_conn,
+                 serializer=JSONSerializer).prepare_execution(fetch(redis_conn, job_id))
+    assert job_id in queue.started_job_registry.get_job_ids()
+    assert fetch(redis_conn, job_id).get_status() == JobStatus.QUEUED
+    assert requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3) == [handle.job_id]
+    assert queued_ids(redis_conn) == [handle.job_id]
+    assert job_id not in queue.started_job_registry.get_job_ids()
+    assert fetch(redis_conn, job_id).get_status() == JobStatus.QUEUED
+
+
+def test_a_job_whose_end_was_recorded_is_only_released(redis_url, redis_conn):
+    client = Client(redis_url)
+    handle = client.submit(prompt="done", max_tokens=1)
+    claims.claim_next(redis_conn, keys(redis_conn), DEAD)
+    fetch(redis_conn, handle.job_id).set_status(JobStatus.FINISHED)
+    gone = client.submit(prompt="deleted", max_tokens=1)
+    claims.claim_next(redis_conn, keys(redis_conn), DEAD)
+    fetch(redis_conn, gone.job_id).delete()
+    assert requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3) == []
+    assert queued_ids(redis_conn) == [] and not redis_conn.exists(claim_key(DEAD))
+
+
+def test_live_workers_keep_their_claims_unless_they_restarted(redis_url, redis_conn):
+    handle = Client(redis_url).submit(prompt="running", max_tokens=1)
+    claims.claim_next(redis_conn, keys(redis_conn), "alive-worker")
+    mark_alive(redis_conn, "alive-worker")
+    assert requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3) == []
+    assert claims.claimed(redis_conn, "alive-worker") == [handle.job_id]
+    # A worker restarted under the same name holds nothing yet: its old claims are orphans.
+    assert requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3, also=("alive-worker",)) == [handle.job_id]
+    assert queued_ids(redis_conn) == [handle.job_id]
+
+
+def test_past_max_attempts_the_job_fails_with_an_error_event(redis_url, redis_conn):
+    handle = Client(redis_url).submit(prompt="poison", max_tokens=1)
+    for attempt in (2, 3):
+        claims.claim_next(redis_conn, keys(redis_conn), DEAD)
+        requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3)
+        assert fetch(redis_conn, handle.job_id).meta["kiviq_attempts"] == attempt
+    claims.claim_next(redis_conn, keys(redis_conn), DEAD)
+    assert requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3) == [handle.job_id]
+    assert queued_ids(redis_conn) == []
+    assert fetch(redis_conn, handle.job_id).get_status() == JobStatus.FAILED
+    last = json.loads(redis_conn.lrange(replay_log(handle.job_id), -1, -1)[0])
+    assert last["type"] == "error" and "3 attempts" in last["error"]
+    with pytest.raises(RuntimeError, match="3 attempts"):
+        handle.result(timeout=5)
+
+
+def test_a_second_recovery_waits_for_the_first(redis_url, redis_conn):
+    handle = Client(redis_url).submit(prompt="contended", max_tokens=1)
+    claims.claim_next(redis_conn, keys(redis_conn), DEAD)
+    redis_conn.set(recovery_lock_key(), 1, px=60_000)  # another worker is recovering
+    assert requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3) == []
+    assert claims.claimed(redis_conn, DEAD) == [handle.job_id]
+    redis_conn.delete(recovery_lock_key())
+    assert requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3) == [handle.job_id]
+    assert not redis_conn.exists(alive_key(DEAD))
