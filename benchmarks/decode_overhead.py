@@ -11,8 +11,9 @@ little; `--hidden 2560 --vocab 151936` gives the real Qwen3-4B):
 1. Per-op cost of a chain of N dependent ops, built then evaluated once
    (build = Python + graph construction; eval = MLX's per-op dispatch and the
    device work): an elementwise op, MLX's fused SDPA at the decode shape, a
-   trivial `mx.fast.cuda_kernel`, the KIVI decode attention (split + merge) and
-   the two tail scatters of `KiviStore.write_decode`.
+   trivial `mx.fast.cuda_kernel`, the KIVI decode attention (split + merge),
+   the two tail scatters of `KiviStore.write_decode`, and (not a chain: one
+   call) the flush of one sequence's tail in all 36 layers.
 2. One decode step, arms interleaved in one process (A/B/C/... per round, each
    round a fresh run of `--steps` steps whose tokens differ): mlx-lm's own
    KVCache (`mlxlm`, B = 1 only), kiviq's `ModelRunner.decode` + argmax
@@ -140,7 +141,34 @@ def op_costs(args, dtype) -> list[list]:
         pool.tail_v[index] = y[:, 8:16]
         return y * 1.0001
     rows.append(["2 tail scatters, prepared [B, H_kv] indices (+1 link)", *chain_cost(write_prepared, x, n, rep)])
+    rows.append(["flush of one tail in all 36 layers (per flush)", *flush_cost(dtype, rep)])
     return [[name, stats(b), stats(e)] for name, b, e in rows]
+
+
+def flush_cost(dtype, repeats: int, flushes: int = 32) -> tuple[list[float], list[float]]:
+    """(build, eval) seconds of one flush of one sequence in a 36-layer store.
+
+    A decode step pays this whenever a tail fills (every G steps per sequence,
+    so about every step at B = 32): build includes flush_layers' host sync on
+    the gathered rows, eval the quantization and the scatters.
+    """
+    store = kv_store_module.KiviStore(36, 8, 128, config=kv_store_module.KVConfig(4, 32, 128),
+                                      num_blocks=flushes, num_slots=1, dtype=dtype)
+    g, r = store.config.group_size, store.config.residual
+    build, ev = [], []
+    for rep in range(repeats + 1):
+        for i in range(flushes):
+            mx.synchronize()
+            t0 = time.perf_counter()
+            kv_store_module.flush_layers(store.pools, [0], [i], [r + g - 1], bits=4, group_size=g)
+            t1 = time.perf_counter()
+            mx.eval(store.pools)
+            mx.synchronize()
+            t2 = time.perf_counter()
+            if rep:  # the first round compiles and warms up
+                build.append(t1 - t0)
+                ev.append(t2 - t1)
+    return build, ev
 
 
 # ---- 2. one decode step, parts left out -------------------------------------------

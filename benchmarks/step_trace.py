@@ -1,0 +1,160 @@
+"""Where a batched decode step's device time goes: a kernel-level trace.
+
+The engine runs B sequences of a random-weight model (a ``--shape`` of
+benchmarks/engine.py; prompts of ``context + i`` tokens, so the sequences
+flush on different steps, as in a real batch), then ``--steps`` steps with
+all B decoding are timed with ``mx.synchronize()`` at their edges.
+
+With ``--trace`` (a CUDA device with PyTorch installed) those steps run under
+``torch.profiler``: CUPTI records every kernel of the process, MLX's included.
+The summary gives kernels per step, device busy time per step (the union of
+kernel intervals) against the wall time (the rest is the device waiting for
+the host: Python, graph building, MLX's per-op dispatch, syncs), and the
+kernels grouped by name. A step whose KV tails flush is counted too: a flush
+adds per-layer quantize and scatter work.
+
+    python3 benchmarks/step_trace.py --shape qwen3-4b --batch 32 --context 4096 --steps 16 --trace
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.utils import _get_classes  # noqa: E402
+
+import engine.kv_store as kv_store_module  # noqa: E402
+from benchmarks.common import command, machine, table  # noqa: E402
+from benchmarks.engine import SHAPES, IdTokenizer  # noqa: E402
+from engine import Request, build_engine  # noqa: E402
+from engine.kivi_cache import attention_shape  # noqa: E402
+
+DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def summarize(events: list[dict], steps: int, top: int) -> tuple[str, list[list]]:
+    """The trace's headline and its per-kernel rows (us per step, calls per step)."""
+    if not events:
+        return "the trace holds no device events", []
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events]
+    span = max(e for _, e in spans) - min(s for s, _ in spans)
+    busy = busy_time(spans)
+    head = (f"{len(events) / steps:.0f} device ops per step; device busy {busy / steps / 1e3:.2f} ms of a "
+            f"{span / steps / 1e3:.2f} ms traced span per step ({100 * busy / span:.0f}%)")
+    dur, calls = collections.Counter(), collections.Counter()
+    for e in events:
+        name = e["name"] if len(e["name"]) <= 80 else e["name"][:77] + "..."
+        dur[name] += e["dur"]
+        calls[name] += 1
+    rows = [[name, f"{d / steps:.1f}", f"{calls[name] / steps:.1f}"] for name, d in dur.most_common(top)]
+    return head, rows
+
+
+def build(args):
+    cfg = dict(SHAPES[args.shape])
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(cfg))
+    model.set_dtype(getattr(mx, args.dtype))
+    mx.eval(model.parameters())
+    vocab, b = cfg["vocab_size"], args.batch
+    prompts = [mx.random.randint(0, vocab, (args.context + i,), key=mx.random.key(i)).tolist() for i in range(b)]
+    gen = args.warmup + args.steps + 2
+    layers, kv_heads, head_dim = attention_shape(model)
+    tokens = sum(map(len, prompts)) + b * (gen + 160)  # + each tail's R + G rows (the defaults)
+    engine = build_engine(model, IdTokenizer(), kv_bits=args.bits, max_sequences=b,
+                          kv_memory=tokens * layers * kv_heads * head_dim * 2 * 2,  # their fp16 size
+                          max_batch_tokens=1 << 16)
+    for i, p in enumerate(prompts):
+        engine.add(Request(str(i), p, gen))
+    while engine.stats["prefill_tokens"] < sum(map(len, prompts)):
+        engine.step()
+        if engine.stats["preemptions"]:
+            raise SystemExit("the KV budget did not hold the batch")
+    for _ in range(args.warmup):
+        engine.step()
+    return engine
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-4b", choices=sorted(SHAPES))
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--trace", action="store_true", help="profile the timed steps with torch.profiler (CUDA)")
+    p.add_argument("--top", type=int, default=25, help="kernel rows to print")
+    args = p.parse_args()
+    print(f"# {command()}\n# {machine()}\n")
+    engine = build(args)
+    flushes = []
+    real_flush = kv_store_module.flush_layers
+
+    def counted_flush(pools, slots, *a, **k):
+        flushes.append(len(slots))
+        return real_flush(pools, slots, *a, **k)
+
+    kv_store_module.flush_layers = counted_flush
+    profiler = None
+    if args.trace:
+        import torch.profiler
+
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        profiler.__enter__()
+    times = []
+    mx.synchronize()
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        events = engine.step()
+        mx.synchronize()
+        times.append(time.perf_counter() - t0)
+        if len(events) != args.batch:
+            raise SystemExit(f"a timed step emitted {len(events)} events for {args.batch} sequences")
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+    kv_store_module.flush_layers = real_flush
+    ms = sorted(t * 1e3 for t in times)
+    print(f"{args.shape}, {args.dtype}, KIVI {args.bits}-bit, B={args.batch}, context {args.context}: "
+          f"{args.steps} steps, step ms min / median / max {ms[0]:.2f} / {statistics.median(ms):.2f} / "
+          f"{ms[-1]:.2f}; {args.batch / statistics.median(ms) * 1e3:.0f} tok/s; "
+          f"{len(flushes)} of the steps flushed ({sum(flushes)} tails)")
+    if profiler is None:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        profiler.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    events = [e for e in trace.get("traceEvents", []) if e.get("cat") in DEVICE_EVENTS and "dur" in e]
+    head, rows = summarize(events, args.steps, args.top)
+    print(f"\n{head}\n")
+    print(table(["device op", "us / step", "calls / step"], rows))
+
+
+if __name__ == "__main__":
+    main()
