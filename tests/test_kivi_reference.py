@@ -380,6 +380,31 @@ def test_flush_tails_quantizes_oldest_block_and_shifts():
         np.testing.assert_array_equal(to_np(a)[rows], before[name][rows])
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_flush_of_all_layers_at_once_equals_a_flush_per_layer(dtype):
+    """The engine flushes every layer's pool with one stacked quantization
+    (dispatch.flush_layers); each pool must end exactly as its own flush leaves it."""
+    from kernels.dispatch import flush_layers
+
+    rng = np.random.default_rng(5)
+    g, bits, h_kv, d = 32, 4, 2, 64
+    pairs = []
+    for _ in range(3):  # layers: the same slots, other values
+        pool = allocate_pool(8, 5, h_kv, d, bits=bits, group_size=g, residual=R, dtype=dtype)
+        pool.tail_k[...] = _normal(rng, pool.tail_k.shape, dtype)
+        pool.tail_v[...] = _normal(rng, pool.tail_v.shape, dtype)
+        pairs.append((pool, type(pool)(*(mx.array(a) for a in pool))))  # the twin: flushed alone
+    mx.eval(pairs)
+    slots, ids = mx.array([3, 0, 4]), mx.array([7, 2, 5])  # three tails fill in the same step
+    lens = mx.array([R + g - 1, R + g - 1, R + g - 1])
+    flush_layers([p for p, _ in pairs], slots, ids, lens, bits=bits, group_size=g)
+    for pool, twin in pairs:
+        flush_tails(twin, slots, ids, lens, bits=bits, group_size=g)
+        for name, a, b in zip(pool._fields, pool, twin):
+            np.testing.assert_array_equal(to_np(a), to_np(b), err_msg=name)
+        assert to_np(pool.tail_k[0, :, : R - 1]).any()  # something real was compared
+
+
 def test_flush_tails_is_in_place_and_validates():
     pool = allocate_pool(512, 256, 8, 128, bits=4)  # tails: 2 x 80 MiB
     mx.eval(*pool)
