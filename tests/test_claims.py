@@ -133,3 +133,30 @@ def test_a_second_recovery_waits_for_the_first(redis_url, redis_conn):
     redis_conn.delete(recovery_lock_key())
     assert requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3) == [handle.job_id]
     assert not redis_conn.exists(alive_key(DEAD))
+
+
+def test_a_job_already_back_in_its_queue_is_not_queued_twice(redis_url, redis_conn):
+    """rq's own cleanup of abandoned jobs may requeue a dead worker's job first."""
+    handle = Client(redis_url).submit(prompt="requeued by rq", max_tokens=1)
+    key, job_id = claims.claim_next(redis_conn, keys(redis_conn), DEAD)
+    queue = next(q for q in queues(redis_conn) if q.key == key)
+    queue._enqueue_job(fetch(redis_conn, job_id), at_front=True)
+    assert requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3) == []
+    assert queued_ids(redis_conn) == [handle.job_id]
+    assert not redis_conn.exists(claim_key(DEAD))
+
+
+def test_a_job_rq_failed_behind_our_back_gets_a_final_event(redis_url, redis_conn):
+    """A job rq failed as abandoned has no final event yet; its client must not wait forever."""
+    handle = Client(redis_url).submit(prompt="abandoned", max_tokens=1)
+    claims.claim_next(redis_conn, keys(redis_conn), DEAD)
+    janitor = SimpleWorker(queues(redis_conn), connection=redis_conn, serializer=JSONSerializer)
+    janitor.handle_job_failure(fetch(redis_conn, handle.job_id), queues(redis_conn)[1],
+                               exc_string="Traceback (most recent call last):\n"
+                                          "rq.exceptions.AbandonedJobError: work-horse terminated")
+    assert fetch(redis_conn, handle.job_id).get_status() == JobStatus.FAILED
+    assert requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3) == []
+    with pytest.raises(RuntimeError, match="AbandonedJobError"):
+        handle.result(timeout=5)
+    requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3, also=(DEAD,))
+    assert redis_conn.llen(replay_log(handle.job_id)) == 1  # one final event, never two

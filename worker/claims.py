@@ -16,6 +16,7 @@ import time
 
 from redis import Redis
 from redis.client import Pipeline
+from redis.commands.core import Script
 
 from jobs.keys import claim_key, claim_pattern
 
@@ -33,6 +34,9 @@ end
 return false
 """
 
+# Sent by SHA once loaded (redis-py's Script falls back to EVAL when a server lacks it).
+_CLAIM = Script(None, _CLAIM_SCRIPT.encode())  # bytes: no client needed for its SHA
+
 # No Redis command blocks on several lists and moves atomically (BLMPOP pops,
 # BLMOVE watches one list), so an idle worker polls; a claim is one cheap call.
 IDLE_POLL_S = 0.02
@@ -44,7 +48,7 @@ def claim_next(conn: Redis, queue_keys: list[str], worker_name: str) -> tuple[st
     Returns:
         (queue key, job id), or None when every queue is empty.
     """
-    found = conn.register_script(_CLAIM_SCRIPT)(keys=[*queue_keys, claim_key(worker_name)])
+    found = _CLAIM(keys=[*queue_keys, claim_key(worker_name)], client=conn)
     if not found:
         return None
     key, job_id = found

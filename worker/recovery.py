@@ -20,7 +20,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from jobs.keys import alive_key, recovery_lock_key
+from jobs.keys import alive_key, recovery_lock_key, replay_log
 from jobs.models import EventType, FinishReason, StreamEvent
 from jobs.publisher import EventPublisher
 from worker.claims import claimants, claimed, release
@@ -95,10 +95,16 @@ def _recover(conn: Redis, by_name: dict[str, Queue], worker_name: str, job_id: s
     except NoSuchJobError:
         release(conn, worker_name, job_id)
         return False
-    if job.get_status(refresh=False) in ENDED:  # recorded in rq; only the release was lost
+    queue = by_name.get(job.origin) or Queue(job.origin, connection=conn, serializer=JSONSerializer)
+    status = job.get_status(refresh=False)
+    if status in ENDED or _is_queued(conn, queue, job_id):
+        # Recorded in rq, or already back in its queue (rq's own cleanup of
+        # abandoned jobs can get there first): only the release was lost.
+        if status == JobStatus.FAILED:
+            result = job.latest_result()
+            _end_stream(conn, job, (result and result.exc_string) or f"worker {worker_name} died running this job")
         release(conn, worker_name, job_id)
         return False
-    queue = by_name.get(job.origin) or Queue(job.origin, connection=conn, serializer=JSONSerializer)
     attempts = int(job.meta.get("kiviq_attempts", 1))
     with conn.pipeline() as pipe:  # MULTI: requeued (or failed) and released together
         queue.started_job_registry.remove_executions(job, pipeline=pipe)
@@ -108,9 +114,7 @@ def _recover(conn: Redis, by_name: dict[str, Queue], worker_name: str, job_id: s
             queue.failed_job_registry.add(job, exc_string=message, pipeline=pipe)
             job.set_status(JobStatus.FAILED, pipeline=pipe)
             pipe.execute()
-            publisher = EventPublisher(conn)
-            publisher.publish([StreamEvent(job_id=job.id, seq=publisher.next_seq(job.id), type=EventType.error,
-                                           finish_reason=FinishReason.error, error=message)])
+            _end_stream(conn, job, message)
             log.warning("job %s failed: %s", job.id, message)
         else:
             job.meta["kiviq_attempts"] = attempts + 1  # saved with the job by the enqueue
@@ -119,3 +123,18 @@ def _recover(conn: Redis, by_name: dict[str, Queue], worker_name: str, job_id: s
             log.warning("job %s requeued: worker %s is gone (attempt %d of %d)",
                         job.id, worker_name, attempts + 1, max_attempts)
     return True
+
+
+def _is_queued(conn: Redis, queue: Queue, job_id: str) -> bool:
+    return conn.lpos(queue.key, job_id) is not None
+
+
+def _end_stream(conn: Redis, job: Job, message: str) -> None:
+    """Publish an error event for a failed job whose stream has no final event
+    (clients wait for one); a stream that already ended is left alone."""
+    last = conn.lrange(replay_log(job.id), -1, -1)
+    if last and StreamEvent.model_validate_json(last[0]).type in (EventType.done, EventType.error):
+        return
+    publisher = EventPublisher(conn)
+    publisher.publish([StreamEvent(job_id=job.id, seq=publisher.next_seq(job.id), type=EventType.error,
+                                   finish_reason=FinishReason.error, error=message.strip().splitlines()[-1])])

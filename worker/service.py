@@ -192,6 +192,9 @@ class BatchWorker(SimpleWorker):
                 return
             block = False
             queue, job_id = by_key[found[0]], found[1]
+            if job_id in self.active:  # queued twice while it runs: this copy has nothing to do
+                claims.release(self.connection, self.name, job_id)
+                continue
             try:
                 job = self.job_class.fetch(job_id, connection=self.connection, serializer=self.serializer)
             except NoSuchJobError:  # deleted while queued: nothing to run
