@@ -4,6 +4,8 @@ The engine runs B sequences of a random-weight model (a ``--shape`` of
 benchmarks/engine.py; prompts of ``context + i`` tokens, so the sequences
 flush on different steps, as in a real batch), then ``--steps`` steps with
 all B decoding are timed with ``mx.synchronize()`` at their edges.
+``--arm mlxlm`` runs the same model on mlx-lm's own KV cache instead, one
+request (B=1), as the reference for the B=1 target.
 
 With ``--trace`` (a CUDA device with PyTorch installed) those steps run under
 ``torch.profiler``: CUPTI records every kernel of the process, MLX's included.
@@ -14,6 +16,7 @@ kernels grouped by name. A step whose KV tails flush is counted too: a flush
 adds per-layer quantize and scatter work.
 
     python3 benchmarks/step_trace.py --shape qwen3-4b --batch 32 --context 4096 --steps 16 --trace
+    python3 benchmarks/step_trace.py --arm mlxlm --batch 1 --context 4096 --trace
 """
 
 from __future__ import annotations
@@ -72,20 +75,26 @@ def summarize(events: list[dict], steps: int, top: int) -> tuple[str, list[list]
     return head, rows
 
 
-def build(args):
+def make_model(args):
     cfg = dict(SHAPES[args.shape])
     model_cls, args_cls = _get_classes(cfg)
     mx.random.seed(0)
     model = model_cls(args_cls.from_dict(cfg))
     model.set_dtype(getattr(mx, args.dtype))
     mx.eval(model.parameters())
-    vocab, b = cfg["vocab_size"], args.batch
-    prompts = [mx.random.randint(0, vocab, (args.context + i,), key=mx.random.key(i)).tolist() for i in range(b)]
-    gen = args.warmup + args.steps + 2
+    prompts = [mx.random.randint(0, cfg["vocab_size"], (args.context + i,), key=mx.random.key(i)).tolist()
+               for i in range(args.batch)]
+    return model, prompts
+
+
+def engine_steps(args, model, prompts):
+    """kiviq's engine, prefilled and warmed up: returns (one step, flush counts)."""
+    b, gen = args.batch, args.warmup + args.steps + 2
     layers, kv_heads, head_dim = attention_shape(model)
-    tokens = sum(map(len, prompts)) + b * (gen + 160)  # + each tail's R + G rows (the defaults)
+    # The run's tokens at the model's dtype, plus each tail's R + G rows (the defaults).
+    tokens = sum(map(len, prompts)) + b * (gen + 160)
     engine = build_engine(model, IdTokenizer(), kv_bits=args.bits, max_sequences=b,
-                          kv_memory=tokens * layers * kv_heads * head_dim * 2 * 2,  # their fp16 size
+                          kv_memory=tokens * layers * kv_heads * head_dim * 2 * getattr(mx, args.dtype).size,
                           max_batch_tokens=1 << 16)
     for i, p in enumerate(prompts):
         engine.add(Request(str(i), p, gen))
@@ -95,11 +104,45 @@ def build(args):
             raise SystemExit("the KV budget did not hold the batch")
     for _ in range(args.warmup):
         engine.step()
-    return engine
+    flushes = []
+    real_flush = kv_store_module.flush_layers
+
+    def counted_flush(pools, slots, *a, **k):
+        flushes.append(len(slots))
+        return real_flush(pools, slots, *a, **k)
+
+    kv_store_module.flush_layers = counted_flush
+
+    def step():
+        if len(engine.step()) != b:
+            raise SystemExit(f"a timed step did not emit one event per sequence (B={b})")
+    return step, flushes
+
+
+def mlxlm_steps(args, model, prompts):
+    """mlx-lm's own KV cache, one request (B=1), greedy: the B=1 reference."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if args.batch != 1:
+        raise SystemExit("--arm mlxlm decodes one request: use --batch 1")
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(prompts[0])[None], cache=cache)
+    state = {"tok": mx.argmax(logits[:, -1], axis=-1)}
+    mx.eval(state["tok"])
+
+    def step():
+        logits = model(state["tok"][:, None], cache=cache)
+        state["tok"] = mx.argmax(logits[:, -1], axis=-1)
+        state["tok"].item()  # the engine's step also ends with the tokens on the host
+    for _ in range(args.warmup):
+        step()
+    return step, []
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arm", default="kiviq", choices=["kiviq", "mlxlm"],
+                   help="kiviq's engine, or mlx-lm's own cache for one request (B=1)")
     p.add_argument("--shape", default="qwen3-4b", choices=sorted(SHAPES))
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=4096)
@@ -111,15 +154,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25, help="kernel rows to print")
     args = p.parse_args()
     print(f"# {command()}\n# {machine()}\n")
-    engine = build(args)
-    flushes = []
-    real_flush = kv_store_module.flush_layers
-
-    def counted_flush(pools, slots, *a, **k):
-        flushes.append(len(slots))
-        return real_flush(pools, slots, *a, **k)
-
-    kv_store_module.flush_layers = counted_flush
+    model, prompts = make_model(args)
+    step, flushes = (engine_steps if args.arm == "kiviq" else mlxlm_steps)(args, model, prompts)
     profiler = None
     if args.trace:
         import torch.profiler
@@ -130,19 +166,17 @@ def main() -> None:
     mx.synchronize()
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        events = engine.step()
+        step()
         mx.synchronize()
         times.append(time.perf_counter() - t0)
-        if len(events) != args.batch:
-            raise SystemExit(f"a timed step emitted {len(events)} events for {args.batch} sequences")
     if profiler is not None:
         profiler.__exit__(None, None, None)
-    kv_store_module.flush_layers = real_flush
     ms = sorted(t * 1e3 for t in times)
-    print(f"{args.shape}, {args.dtype}, KIVI {args.bits}-bit, B={args.batch}, context {args.context}: "
+    arm = f"kiviq KIVI {args.bits}-bit" if args.arm == "kiviq" else "mlx-lm KVCache"
+    print(f"{args.shape}, {args.dtype}, {arm}, B={args.batch}, context {args.context}: "
           f"{args.steps} steps, step ms min / median / max {ms[0]:.2f} / {statistics.median(ms):.2f} / "
-          f"{ms[-1]:.2f}; {args.batch / statistics.median(ms) * 1e3:.0f} tok/s; "
-          f"{len(flushes)} of the steps flushed ({sum(flushes)} tails)")
+          f"{ms[-1]:.2f}; {args.batch / statistics.median(ms) * 1e3:.0f} tok/s"
+          + (f"; {len(flushes)} of the steps flushed ({sum(flushes)} tails)" if args.arm == "kiviq" else ""))
     if profiler is None:
         return
     with tempfile.TemporaryDirectory() as tmp:
