@@ -97,15 +97,20 @@ def test_a_job_whose_end_was_recorded_is_only_released(redis_url, redis_conn):
     assert queued_ids(redis_conn) == [] and not redis_conn.exists(claim_key(DEAD))
 
 
-def test_live_workers_keep_their_claims_unless_they_restarted(redis_url, redis_conn):
-    handle = Client(redis_url).submit(prompt="running", max_tokens=1)
+def test_live_workers_keep_the_claims_they_run(redis_url, redis_conn):
+    client = Client(redis_url)
+    running, lost = client.submit(prompt="running", max_tokens=1), client.submit(prompt="lost", max_tokens=1)
+    claims.claim_next(redis_conn, keys(redis_conn), "alive-worker")
     claims.claim_next(redis_conn, keys(redis_conn), "alive-worker")
     mark_alive(redis_conn, "alive-worker")
-    assert requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3) == []
-    assert claims.claimed(redis_conn, "alive-worker") == [handle.job_id]
-    # A worker restarted under the same name holds nothing yet: its old claims are orphans.
-    assert requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3, also=("alive-worker",)) == [handle.job_id]
-    assert queued_ids(redis_conn) == [handle.job_id]
+    assert requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3) == []  # another worker's view
+    assert claims.claimed(redis_conn, "alive-worker") == [running.job_id, lost.job_id]
+    # Its own view: a claim it does not run (its reply was lost, or an earlier
+    # worker of that name left it) is an orphan.
+    assert requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3, own="alive-worker",
+                           running={running.job_id}) == [lost.job_id]
+    assert queued_ids(redis_conn) == [lost.job_id]
+    assert claims.claimed(redis_conn, "alive-worker") == [running.job_id]
 
 
 def test_past_max_attempts_the_job_fails_with_an_error_event(redis_url, redis_conn):
@@ -158,5 +163,5 @@ def test_a_job_rq_failed_behind_our_back_gets_a_final_event(redis_url, redis_con
     assert requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3) == []
     with pytest.raises(RuntimeError, match="AbandonedJobError"):
         handle.result(timeout=5)
-    requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3, also=(DEAD,))
+    requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3, own=DEAD)
     assert redis_conn.llen(replay_log(handle.job_id)) == 1  # one final event, never two

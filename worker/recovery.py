@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Collection
 
 from redis import Redis
 from rq import Queue
@@ -44,8 +45,8 @@ def mark_dead(conn: Redis, worker_name: str) -> None:
     conn.delete(alive_key(worker_name))
 
 
-def requeue_orphans(conn: Redis, queues: list[Queue], *, max_attempts: int,
-                    also: tuple[str, ...] = (), wait_s: float = 0.0) -> list[str]:
+def requeue_orphans(conn: Redis, queues: list[Queue], *, max_attempts: int, own: str | None = None,
+                    running: Collection[str] = (), wait_s: float = 0.0) -> list[str]:
     """Requeue (or fail, past ``max_attempts``) the unfinished jobs of dead workers.
 
     A worker is dead when its liveness key is gone; its claim list (see
@@ -55,8 +56,12 @@ def requeue_orphans(conn: Redis, queues: list[Queue], *, max_attempts: int,
         conn: Redis connection.
         queues: the queues jobs come from (others are opened by name).
         max_attempts: runs of a job before a dead worker fails it for good.
-        also: workers to treat as dead although alive: a restarted worker
-            that reuses its old name recovers its own previous claims.
+        own: the calling worker's name. Its claims of jobs not in ``running``
+            are orphans too, although it is alive: left by an earlier worker
+            that used the same name, or a claim whose reply a dropped
+            connection lost.
+        running: the jobs the calling worker holds (in its engine, or with
+            an ending still to record).
         wait_s: how long to wait while another worker is recovering (0:
             skip this pass; the next one will look again).
 
@@ -73,9 +78,12 @@ def requeue_orphans(conn: Redis, queues: list[Queue], *, max_attempts: int,
         by_name = {q.name: q for q in queues}
         handled = []
         for worker_name in claimants(conn):
-            if worker_name not in also and conn.exists(alive_key(worker_name)):
+            mine = worker_name == own
+            if not mine and conn.exists(alive_key(worker_name)):
                 continue
             for job_id in claimed(conn, worker_name):
+                if mine and job_id in running:
+                    continue
                 if _recover(conn, by_name, worker_name, job_id, max_attempts):
                     handled.append(job_id)
         return handled

@@ -122,9 +122,8 @@ class BatchWorker(SimpleWorker):
             self.connection.set(max_queued_key(), self.max_queued)
         self.ended = 0
         backoff = 0.5
-        # Claims under this name are from an earlier life of a worker that
-        # reused the name (our liveness key would hide them from recovery).
-        requeue_orphans(self.connection, self.queues, max_attempts=self.max_attempts, also=(self.name,),
+        # Claims under this name already are from an earlier worker that used it.
+        requeue_orphans(self.connection, self.queues, max_attempts=self.max_attempts, own=self.name,
                         wait_s=RECOVERY_LOCK_MS / 1000)
         try:
             while True:
@@ -174,7 +173,9 @@ class BatchWorker(SimpleWorker):
                 self.maintain_heartbeats(active.job, active.execution)
         if t - self._last_recovery >= RECOVERY_EVERY_S:
             self._last_recovery = t
-            requeue_orphans(self.connection, self.queues, max_attempts=self.max_attempts)
+            running = set(self.active) | {job_id for job_id, _ in self._outbox_endings}
+            requeue_orphans(self.connection, self.queues, max_attempts=self.max_attempts, own=self.name,
+                            running=running)
         if self.should_run_maintenance_tasks:
             self.run_maintenance_tasks()
 
