@@ -107,6 +107,38 @@ def test_sigkill_mid_batch_then_new_worker_completes_every_job_once(start_worker
         assert results[h.job_id].text == h2.result(timeout=600).text
 
 
+# A worker that dies the moment after it took a job off the queue, before
+# anything else records the job (the gap rq's own LPOP dequeue leaves open).
+DIE_AFTER_CLAIM = """
+import os, sys
+from worker import claims
+take = claims.claim_next
+def claim_then_die(*args, **kwargs):
+    found = take(*args, **kwargs)
+    if found is not None:
+        os._exit(9)
+    return found
+claims.claim_next = claim_then_die
+from client.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_worker_killed_right_after_taking_a_job_loses_nothing(start_worker, redis_url, monkeypatch):
+    for k, v in FAST_RECOVERY.items():
+        monkeypatch.setenv(k, v)
+    handle = Client(redis_url).submit(prompt="The capital of Italy is", max_tokens=4)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dying = subprocess.run([os.sys.executable, "-c", DIE_AFTER_CLAIM, "worker", "--redis-url", redis_url],
+                           cwd=root, env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True,
+                           timeout=300)
+    assert dying.returncode == 9, dying.stdout[-2000:] + dying.stderr[-2000:]
+    assert Client(redis_url).queued() == 0  # the job left the queue with the dead worker
+    start_worker()
+    result = handle.result(timeout=300)
+    assert result.finish_reason.value == "length" and result.usage.completion_tokens == 4
+
+
 def test_sigterm_finishes_or_requeues_and_exits_zero(start_worker, redis_url, redis_conn):
     client = Client(redis_url)
     worker = start_worker("--grace", "2")
