@@ -32,3 +32,35 @@ def table(header: list[str], rows: list[list[object]]) -> str:
 
 def mib(n: int | float) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bits: int,
+                     kv_bytes: int | None = None):
+    """kiviq's engine with every prompt added and prefilled (no decode step yet).
+
+    Args:
+        gen: max_tokens of every request.
+        kv_bytes: KV budget; default: the run's tokens at the model's dtype plus
+            each tail's R + G rows (a fixed budget that held only part of a large
+            batch made the prefill loop preempt forever).
+
+    Raises:
+        SystemExit: the budget did not hold the batch (a preemption).
+    """
+    from engine import Request, build_engine
+    from engine.kivi_cache import attention_shape, model_dtype
+
+    b = len(prompts)
+    if kv_bytes is None:
+        layers, kv_heads, head_dim = attention_shape(model)
+        tokens = sum(map(len, prompts)) + b * (gen + 128 + 32)  # the default R and G
+        kv_bytes = tokens * layers * kv_heads * head_dim * 2 * model_dtype(model).size  # K and V
+    engine = build_engine(model, tokenizer, kv_bits=bits, max_sequences=b, kv_memory=kv_bytes,
+                          max_batch_tokens=1 << 16)
+    for i, p in enumerate(prompts):
+        engine.add(Request(str(i), p, gen))
+    while engine.stats["prefill_tokens"] < sum(map(len, prompts)):
+        engine.step()
+        if engine.stats["preemptions"]:
+            raise SystemExit(f"the KV budget ({kv_bytes >> 20} MiB) does not hold B={b}")
+    return engine

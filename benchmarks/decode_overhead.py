@@ -38,12 +38,10 @@ import mlx.core as mx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import command, machine, table  # noqa: E402
+from benchmarks.common import command, machine, prefilled_engine, table  # noqa: E402
 from benchmarks.engine_host import _ID_TOKENIZER as ID_TOKENIZER  # noqa: E402
 from benchmarks.engine_host import model_args  # noqa: E402
-from engine import Request, build_engine  # noqa: E402
 from engine import kv_store as kv_store_module  # noqa: E402
-from engine.kivi_cache import attention_shape  # noqa: E402
 from kernels import dispatch  # noqa: E402
 
 def stats(xs: list[float], unit: float = 1e6) -> str:
@@ -223,20 +221,8 @@ class Arms:
     def _kiviq(self, arm: str, b: int) -> list[float]:
         prompts = self.prompts(b)
         n = self.args.warmup + self.args.steps
-        # KV budget: --kv-gb, else the fp16 size of the run (a 4 GB default held only part
-        # of B=32 x 4k at 4 bits, so the prefill loop below preempted forever).
-        layers, kv_heads, head_dim = attention_shape(self.model)
-        tokens = sum(map(len, prompts)) + b * (n + 2)
-        kv_bytes = ((self.args.kv_gb << 30) if self.args.kv_gb
-                    else tokens * layers * kv_heads * head_dim * 2 * 2)  # K and V, 2 bytes each
-        engine = build_engine(self.model, ID_TOKENIZER, kv_bits=self.args.bits, max_sequences=b,
-                              kv_memory=kv_bytes, max_batch_tokens=1 << 16)
-        for i, p in enumerate(prompts):
-            engine.add(Request(str(i), p, n + 2))
-        while engine.stats["prefill_tokens"] < sum(map(len, prompts)):
-            engine.step()
-            if engine.stats["preemptions"]:
-                raise SystemExit(f"the KV budget ({kv_bytes >> 20} MiB) does not hold B={b}; raise --kv-gb")
+        engine = prefilled_engine(self.model, ID_TOKENIZER, prompts, n + 2, bits=self.args.bits,
+                                  kv_bytes=(self.args.kv_gb << 30) if self.args.kv_gb else None)
         times = []
         if arm == "engine":
             for i in range(n):
@@ -271,7 +257,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--kv-gb", type=int, default=None, dest="kv_gb",
-                   help="KV memory budget (default: the fp16 size of the run's tokens)")
+                   help="KV memory budget (default: the size of the run's tokens at the model's dtype)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--arms", nargs="+", default=["mlxlm", "runner", "no-attend", "no-kv", "engine"])
     p.add_argument("--skip-ops", action="store_true")

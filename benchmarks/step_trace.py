@@ -36,10 +36,8 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.utils import _get_classes  # noqa: E402
 
 import engine.kv_store as kv_store_module  # noqa: E402
-from benchmarks.common import command, machine, table  # noqa: E402
+from benchmarks.common import command, machine, prefilled_engine, table  # noqa: E402
 from benchmarks.engine import SHAPES, IdTokenizer  # noqa: E402
-from engine import Request, build_engine  # noqa: E402
-from engine.kivi_cache import attention_shape  # noqa: E402
 
 DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -89,19 +87,7 @@ def make_model(args):
 
 def engine_steps(args, model, prompts):
     """kiviq's engine, prefilled and warmed up: returns (one step, flush counts)."""
-    b, gen = args.batch, args.warmup + args.steps + 2
-    layers, kv_heads, head_dim = attention_shape(model)
-    # The run's tokens at the model's dtype, plus each tail's R + G rows (the defaults).
-    tokens = sum(map(len, prompts)) + b * (gen + 160)
-    engine = build_engine(model, IdTokenizer(), kv_bits=args.bits, max_sequences=b,
-                          kv_memory=tokens * layers * kv_heads * head_dim * 2 * getattr(mx, args.dtype).size,
-                          max_batch_tokens=1 << 16)
-    for i, p in enumerate(prompts):
-        engine.add(Request(str(i), p, gen))
-    while engine.stats["prefill_tokens"] < sum(map(len, prompts)):
-        engine.step()
-        if engine.stats["preemptions"]:
-            raise SystemExit("the KV budget did not hold the batch")
+    engine = prefilled_engine(model, IdTokenizer(), prompts, args.warmup + args.steps + 2, bits=args.bits)
     for _ in range(args.warmup):
         engine.step()
     flushes = []
@@ -114,8 +100,8 @@ def engine_steps(args, model, prompts):
     kv_store_module.flush_layers = counted_flush
 
     def step():
-        if len(engine.step()) != b:
-            raise SystemExit(f"a timed step did not emit one event per sequence (B={b})")
+        if len(engine.step()) != len(prompts):
+            raise SystemExit(f"a timed step did not emit one event per sequence (B={len(prompts)})")
     return step, flushes
 
 
