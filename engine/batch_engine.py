@@ -224,6 +224,7 @@ class Engine:
         try:
             logits = self.runner.prefill(seq.kv, chunk)
             seq.prefilled += n
+            self.stats["prefill_tokens"] += n  # every chunk, not only the last
             if seq.prefilled < seq.num_tokens:
                 self.runner.settle()
                 return []
@@ -232,7 +233,6 @@ class Engine:
         except Exception as e:  # a sequence that fails in its own prefill fails alone
             log.exception("prefill of %s failed", seq.request_id)
             return [self._end(seq, [], "", "error", f"{type(e).__name__}: {e}")]
-        self.stats["prefill_tokens"] += n
         self.scheduler.prefill_done(seq)
         tokens = sampled.tokens.tolist()
         return [self._emit(seq, tokens[0], sampled.row_logprobs(tokens)[0])]

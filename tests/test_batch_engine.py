@@ -249,3 +249,16 @@ def test_serial_engine_logprobs_match_mlx_lm(smollm2):
     for (t, want), lp in zip(ref, lps):
         assert abs(lp.logprob - float(want[t])) < 1e-4
         assert [i for i, _ in lp.top] == list(np.argsort(-want)[:2])
+
+
+def test_prefill_token_count_includes_every_chunk(smollm2):
+    """stats["prefill_tokens"] (the worker's prefill throughput metric, and what the
+    benchmarks wait on) counts each chunk of a prompt longer than the step's token
+    budget, not only its last chunk."""
+    model, tok = smollm2
+    ps = prompts(tok, 3)
+    engine = make_engine(model, tok, max_batch_tokens=24)
+    assert all(len(p) > 24 for p in ps)  # every prompt is prefilled in several chunks
+    run(engine, [Request(f"r{i}", p, max_tokens=2) for i, p in enumerate(ps)])
+    assert engine.stats["preemptions"] == 0
+    assert engine.stats["prefill_tokens"] == sum(map(len, ps))
