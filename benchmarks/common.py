@@ -39,7 +39,10 @@ def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bi
     """kiviq's engine with every prompt added and prefilled (no decode step yet).
 
     Args:
-        gen: max_tokens of every request.
+        gen: decode steps the caller runs after the prefill, every sequence
+            emitting in each. Sequences prefilled in an early step decode
+            during the later prefill steps, so each request's max_tokens is
+            gen plus the most prefill steps this batch can take.
         kv_bytes: KV budget; default: the run's tokens at the model's dtype plus
             each tail's R + G rows (a fixed budget that held only part of a large
             batch made the prefill loop preempt forever).
@@ -51,12 +54,14 @@ def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bi
     from engine.kivi_cache import attention_shape, model_dtype
 
     b = len(prompts)
+    budget = 1 << 16  # tokens per engine step
+    gen += b + sum(map(len, prompts)) // budget + 1
     if kv_bytes is None:
         layers, kv_heads, head_dim = attention_shape(model)
         tokens = sum(map(len, prompts)) + b * (gen + 128 + 32)  # the default R and G
         kv_bytes = tokens * layers * kv_heads * head_dim * 2 * model_dtype(model).size  # K and V
     engine = build_engine(model, tokenizer, kv_bits=bits, max_sequences=b, kv_memory=kv_bytes,
-                          max_batch_tokens=1 << 16)
+                          max_batch_tokens=budget)
     for i, p in enumerate(prompts):
         engine.add(Request(str(i), p, gen))
     while engine.stats["prefill_tokens"] < sum(map(len, prompts)):

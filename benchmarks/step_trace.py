@@ -17,6 +17,7 @@ adds per-layer quantize and scatter work.
 
     python3 benchmarks/step_trace.py --shape qwen3-4b --batch 32 --context 4096 --steps 16 --trace
     python3 benchmarks/step_trace.py --arm mlxlm --batch 1 --context 4096 --trace
+    python3 benchmarks/step_trace.py --batch 1 --host-profile
 """
 
 from __future__ import annotations
@@ -71,6 +72,24 @@ def summarize(events: list[dict], steps: int, top: int) -> tuple[str, list[list]
         calls[name] += 1
     rows = [[name, f"{d / steps:.1f}", f"{calls[name] / steps:.1f}"] for name, d in dur.most_common(top)]
     return head, rows
+
+
+def print_host_profile(host, steps: int, top: int) -> None:
+    """The timed steps' host functions by own time (us per step), then by
+    cumulative time: where the Python side of a step goes."""
+    import pstats
+
+    st = pstats.Stats(host)
+    rows = []
+    for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():
+        where = fn if file == "~" else f"{os.path.basename(file)}:{line} {fn}"
+        rows.append((tt, ct, nc, where[:90]))
+    for label, key in (("own", 0), ("cumulative", 1)):
+        best = sorted(rows, key=lambda r: -r[key])[:top]
+        print(f"\nhost functions by {label} time\n")
+        print(table(["function", "own us / step", "cum us / step", "calls / step"],
+                    [[w, f"{tt / steps * 1e6:.0f}", f"{ct / steps * 1e6:.0f}", f"{nc / steps:.1f}"]
+                     for tt, ct, nc, w in best]))
 
 
 def make_model(args):
@@ -137,7 +156,10 @@ def main() -> None:
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--trace", action="store_true", help="profile the timed steps with torch.profiler (CUDA)")
-    p.add_argument("--top", type=int, default=25, help="kernel rows to print")
+    p.add_argument("--host-profile", action="store_true", dest="host_profile",
+                   help="profile the timed steps' host work with cProfile (Python functions and the "
+                        "MLX calls they make; eval-time work shows under the call that waits)")
+    p.add_argument("--top", type=int, default=25, help="kernel rows (and host functions) to print")
     args = p.parse_args()
     print(f"# {command()}\n# {machine()}\n")
     model, prompts = make_model(args)
@@ -148,6 +170,12 @@ def main() -> None:
 
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         profiler.__enter__()
+    host = None
+    if args.host_profile:
+        import cProfile
+
+        host = cProfile.Profile()
+        host.enable()
     times = []
     mx.synchronize()
     for _ in range(args.steps):
@@ -157,12 +185,16 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
     if profiler is not None:
         profiler.__exit__(None, None, None)
+    if host is not None:
+        host.disable()
     ms = sorted(t * 1e3 for t in times)
     arm = f"kiviq KIVI {args.bits}-bit" if args.arm == "kiviq" else "mlx-lm KVCache"
     print(f"{args.shape}, {args.dtype}, {arm}, B={args.batch}, context {args.context}: "
           f"{args.steps} steps, step ms min / median / max {ms[0]:.2f} / {statistics.median(ms):.2f} / "
           f"{ms[-1]:.2f}; {args.batch / statistics.median(ms) * 1e3:.0f} tok/s"
           + (f"; {len(flushes)} of the steps flushed ({sum(flushes)} tails)" if args.arm == "kiviq" else ""))
+    if host is not None:
+        print_host_profile(host, args.steps, args.top)
     if profiler is None:
         return
     with tempfile.TemporaryDirectory() as tmp:
