@@ -84,6 +84,7 @@ import os
 
 import mlx.core as mx
 
+from kernels.cuda_source import compact, kernel_header
 from kernels.kivi_reference import check_flush_args, shifted_tail, write_flushed
 from kernels.layout import KiviPool, check_layout
 
@@ -1141,16 +1142,17 @@ FLUSH_OUTPUTS = list(POOL_NAMES[:6])
 def _build():
     if not _cuda_available():
         return None, None, None, None
-    k = mx.fast.cuda_kernel
+    def k(source, **kw):  # the kernel's own header items only (kernels.cuda_source says why)
+        return mx.fast.cuda_kernel(source=compact(source), header=kernel_header(HEADER, source), **kw)
+
     return (
-        k(name="kivi_attend_split", input_names=ATTEND_INPUTS, output_names=ATTEND_OUTPUTS,
-          source=ATTEND_SOURCE, header=HEADER),
-        k(name="kivi_attend_split_mma", input_names=ATTEND_INPUTS,
-          output_names=ATTEND_OUTPUTS, source=ATTEND_MMA_SOURCE, header=HEADER),
-        k(name="kivi_attend_merge", input_names=MERGE_INPUTS, output_names=["out"],
-          source=MERGE_SOURCE, header=HEADER),
-        k(name="kivi_flush_quantize", input_names=FLUSH_INPUTS, output_names=FLUSH_OUTPUTS,
-          source=FLUSH_SOURCE, header=HEADER),
+        k(ATTEND_SOURCE, name="kivi_attend_split", input_names=ATTEND_INPUTS,
+          output_names=ATTEND_OUTPUTS),
+        k(ATTEND_MMA_SOURCE, name="kivi_attend_split_mma", input_names=ATTEND_INPUTS,
+          output_names=ATTEND_OUTPUTS),
+        k(MERGE_SOURCE, name="kivi_attend_merge", input_names=MERGE_INPUTS, output_names=["out"]),
+        k(FLUSH_SOURCE, name="kivi_flush_quantize", input_names=FLUSH_INPUTS,
+          output_names=FLUSH_OUTPUTS),
     )
 
 
@@ -1276,7 +1278,8 @@ def _mma_kernel(template, input_dtypes, min_blocks: int):
                                    WARPS * 32, min_blocks)
         kernel = _BOUNDED[key] = mx.fast.cuda_kernel(
             name="kivi_attend_split_mma", input_names=ATTEND_INPUTS,
-            output_names=ATTEND_OUTPUTS, source=ATTEND_MMA_SOURCE, header=HEADER + decl)
+            output_names=ATTEND_OUTPUTS, source=compact(ATTEND_MMA_SOURCE),
+            header=kernel_header(HEADER, ATTEND_MMA_SOURCE) + decl)
     return kernel
 
 
@@ -1303,6 +1306,8 @@ class AttendPlan:
 
     def __init__(self, q_shape, q_dtype, pool: KiviPool, block_tables, num_blocks, slots,
                  tail_lens, *, scale: float, bits: int, group_size: int):
+        out_shape = tuple(q_shape)  # [B, H_q, D], or [B, H_q, 1, D]: the same memory
+        q_shape = (q_shape[0], q_shape[1], q_shape[-1])
         b, h_q, d = q_shape
         mma = mma_supports(q_shape, pool, bits, group_size) is None
         self.meta, self.split_kw, nsu, rep = attend_launch(
@@ -1323,7 +1328,7 @@ class AttendPlan:
             template=merge_template + [("MERGE_WARPS", MERGE_WARPS)],
             grid=(b * h_q * mw * 32, 1, 1),
             threadgroup=(mw * 32, 1, 1),
-            output_shapes=[(b, h_q, d)],
+            output_shapes=[out_shape],
             output_dtypes=[q_dtype],
         )
 

@@ -1,0 +1,86 @@
+"""The CUDA text handed to `mx.fast.cuda_kernel`: only what a kernel uses, no comments.
+
+Why it matters: MLX's CUDA `custom_kernel` pastes header + source into a new
+string at every call (while the graph is built) and hashes that whole string at
+every evaluation (the key of its compiled-module cache). A decode step calls two
+attention kernels per layer, so at B = 1 with 36 layers a 27 KB kernel text
+was ~1.7 MB of copying and hashing per step, on the host, which is what a B = 1
+step waits on (benchmarks/step_trace.py --host-profile). Stripping comments and
+indentation and keeping only the header items a kernel reaches (transitively)
+leaves the compiled code unchanged: the same tokens reach NVRTC, in the same
+order, minus declarations nothing references.
+
+The header grammar this relies on (kivi_cuda's HEADER follows it): every
+top-level item is a preprocessor line (with backslash continuations) or a
+declaration / definition ending at a `;` or `}` at brace depth 0; an item
+defines the first `kivi_*` / `KIVI_*` name it mentions; `//` starts a comment
+everywhere (no string literal in the CUDA text contains it).
+"""
+
+from __future__ import annotations
+
+import re
+
+_NAME = re.compile(r"\b(?:kivi|KIVI)_\w+")
+
+
+def compact(cuda: str) -> str:
+    """`cuda` without `//` comments, indentation, trailing blanks or empty lines
+    (line breaks stay: preprocessor lines end at them)."""
+    lines = (line.split("//", 1)[0].strip() for line in cuda.splitlines())
+    return "\n".join(line for line in lines if line) + "\n"
+
+
+def top_level_items(cuda: str) -> list[str]:
+    """Compacted `cuda` cut into its top-level items, in order."""
+    items, current, depth = [], [], 0
+    for line in compact(cuda).splitlines():
+        current.append(line)
+        if depth == 0 and line.startswith("#"):
+            if not line.endswith("\\"):
+                items.append("\n".join(current))
+                current = []
+            continue
+        if current[0].startswith("#"):  # a continued preprocessor line
+            if not line.endswith("\\"):
+                items.append("\n".join(current))
+                current = []
+            continue
+        depth += line.count("{") - line.count("}")
+        if depth == 0 and (line.endswith("}") or line.endswith(";")):
+            items.append("\n".join(current))
+            current = []
+    if current:
+        raise ValueError(f"unterminated item at the end of the CUDA header: {current[0]!r}")
+    return items
+
+
+def _defined(item: str) -> str | None:
+    head = re.split(r"[{;]", item, maxsplit=1)[0]
+    m = _NAME.search(head)
+    return m.group(0) if m else None
+
+
+def kernel_header(header: str, source: str) -> str:
+    """The items of `header` that `source` reaches, directly or through other
+    items, compacted and in their original order. Items that define no
+    kivi name (includes, type aliases) are always kept."""
+    items = top_level_items(header)
+    defines: dict[str, list[int]] = {}
+    for i, item in enumerate(items):
+        name = _defined(item)
+        if name is not None:
+            defines.setdefault(name, []).append(i)
+    keep = {i for i, item in enumerate(items) if _defined(item) is None}
+    todo = set(_NAME.findall(source))
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for i in defines.get(name, ()):
+            if i not in keep:
+                keep.add(i)
+                todo |= set(_NAME.findall(items[i]))
+    return "\n".join(items[i] for i in sorted(keep)) + "\n"

@@ -1,0 +1,119 @@
+"""The CUDA text kiviq hands to MLX (kernels.cuda_source): smaller, and the same code.
+
+The last test compiles every kernel both ways with nvcc and compares the PTX; it
+runs where nvcc is installed (no GPU needed) and is skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import mlx.core as mx
+import pytest
+
+from kernels import kivi_cuda
+from kernels.cuda_source import compact, kernel_header, top_level_items
+
+HEADER = kivi_cuda.HEADER
+SOURCES = {"split_mma": kivi_cuda.ATTEND_MMA_SOURCE, "split_v1": kivi_cuda.ATTEND_SOURCE,
+           "merge": kivi_cuda.MERGE_SOURCE, "flush": kivi_cuda.FLUSH_SOURCE}
+NAME = re.compile(r"\b(?:kivi|KIVI)_\w+")
+
+
+def test_compact_drops_comments_and_indentation_but_keeps_line_breaks():
+    text = ("// a comment\n#define A(x) \\\n    (x + 1)  // trailing\n\n"
+            "__device__ int f() {\n    return A(2);  // why\n}\n")
+    assert compact(text) == "#define A(x) \\\n(x + 1)\n__device__ int f() {\nreturn A(2);\n}\n"
+
+
+def test_items_split_at_depth_zero():
+    text = ("#define KIVI_X 1\n#define KIVI_M \\\n  int a; \\\n  int b;\n"
+            "template <typename T> __device__ T kivi_g(float x);\n"
+            "template <int B>\n__device__ int kivi_h(int x) {\n  if (x) { return B; }\n  return kivi_g<int>(x);\n}\n")
+    assert top_level_items(text) == [
+        "#define KIVI_X 1", "#define KIVI_M \\\nint a; \\\nint b;",
+        "template <typename T> __device__ T kivi_g(float x);",
+        "template <int B>\n__device__ int kivi_h(int x) {\nif (x) { return B; }\nreturn kivi_g<int>(x);\n}"]
+    with pytest.raises(ValueError, match="unterminated"):
+        top_level_items("__device__ int kivi_f() {\n  return 1;\n")
+
+
+def test_every_header_item_is_a_whole_declaration():
+    items = top_level_items(HEADER)
+    assert compact("\n".join(items)) == compact(HEADER)  # nothing lost or reordered
+    for item in items:
+        assert item.startswith("#") or item.endswith(("}", ";")), item
+
+
+@pytest.mark.parametrize("kernel", sorted(SOURCES))
+def test_kernel_header_defines_everything_the_kernel_reaches(kernel):
+    source = SOURCES[kernel]
+    header = kernel_header(HEADER, source)
+    assert len(header) + len(compact(source)) < 0.7 * (len(HEADER) + len(source))
+    defined = {m for item in top_level_items(header) for m in NAME.findall(re.split(r"[{;]", item)[0])[:1]}
+    used = set(NAME.findall(source)) | set(NAME.findall(header))
+    assert used <= defined, used - defined
+    assert kernel_header(header, source) == header  # closed: pruning again drops nothing
+
+
+def test_merge_and_flush_leave_the_split_machinery_out():
+    for source in (kivi_cuda.MERGE_SOURCE, kivi_cuda.FLUSH_SOURCE):
+        header = kernel_header(HEADER, source)
+        assert "kivi_mma" not in header and "kivi_tail_attend" not in header
+
+
+# ---- the same PTX, compiled with nvcc (no GPU needed) ----------------------------------
+
+_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float",
+          mx.int32: "int32_t", mx.uint8: "uint8_t"}
+_PRELUDE = ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n"
+            "#include <cooperative_groups.h>\n")
+
+
+def _as_mlx_builds_it(name, header, source, inputs, outputs, template) -> str:
+    """The translation unit MLX's cuda_kernel generates (mlx/backend/cuda/custom_kernel.cpp),
+    with the standard CUDA headers in place of MLX's utils.cuh, which these kernels do not use."""
+    text = _PRELUDE + header + "namespace mlx::core::cu {\n__global__ void custom_kernel_" + name + "(\n"
+    text += "".join(f"    const {_TYPES[dt]}* {n},\n" for n, dt in inputs)
+    text += ",\n".join(f"    {_TYPES[dt]}* {n}" for n, dt in outputs) + ") {\n"
+    for n, v in template:
+        text += f"  using {n} = {_TYPES[v]};\n" if isinstance(v, mx.Dtype) else f"  constexpr int {n} = {v};\n"
+    return text + source + "\n}\n}\n"
+
+
+def _ptx(tmp_path, tag: str, text: str) -> list[str]:
+    src, out = tmp_path / f"{tag}.cu", tmp_path / f"{tag}.ptx"
+    src.write_text(text)
+    r = subprocess.run(["nvcc", "-arch=sm_90a", "--ptx", "-std=c++17", "-o", str(out), str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # Debug line records name the source lines, which compaction renumbers.
+    return [ln for ln in out.read_text().splitlines()
+            if ln.strip() and not ln.strip().startswith((".loc", ".file", "//"))]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed (no GPU needed, only the compiler)")
+def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
+    bf, u8, f32, i32 = mx.bfloat16, mx.uint8, mx.float32, mx.int32
+    pool = list(zip(kivi_cuda.POOL_NAMES, [u8, bf, bf, u8, bf, bf, bf, bf]))
+    attend_in = [("q", bf), *pool, ("block_tables", i32), ("num_blocks", i32), ("slots", i32),
+                 ("tail_lens", i32), ("params", i32), ("qscale_in", f32)]
+    attend_out = [("part_acc", f32), ("part_ml", f32)]
+    cases = [
+        ("split_mma", attend_in, attend_out,
+         [("T", bf), ("SD", bf), ("D", 128), ("G", 32), ("BITS", 4), ("REP", 4), ("NW", 4)]),
+        ("split_v1", attend_in, attend_out,
+         [("T", bf), ("SD", bf), ("D", 64), ("G", 16), ("BITS", 8), ("REP", 3), ("NW", 4)]),
+        ("merge", [("part_acc", f32), ("part_ml", f32), ("params", i32)], [("out", bf)],
+         [("T", bf), ("D", 128), ("REP", 4), ("MAX_SPLITS", 1024), ("MERGE_WARPS", 16)]),
+        ("flush", [("rows_k", bf), ("rows_v", bf), ("params", i32)], pool[:6],
+         [("SD", bf), ("D", 128), ("G", 32), ("BITS", 2)]),
+    ]
+    for kernel, inputs, outputs, template in cases:
+        source = SOURCES[kernel]
+        full = _ptx(tmp_path, kernel + "_full", _as_mlx_builds_it(kernel, HEADER, source, inputs, outputs, template))
+        small = _ptx(tmp_path, kernel + "_small", _as_mlx_builds_it(
+            kernel, kernel_header(HEADER, source), compact(source), inputs, outputs, template))
+        assert full == small, kernel
