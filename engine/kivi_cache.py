@@ -77,8 +77,9 @@ class KiviLayerCache:
         b, _, length, _ = queries.shape
         if length == 1:
             batch = self.batch or self.store.begin_decode(self.seqs, self.layer)
-            self.store.write_decode(self.layer, batch, keys[:, :, 0], values[:, :, 0])
-            return self.store.attend_decode(self.layer, batch, queries[:, :, 0], scale)[:, :, None]
+            # As the model made them ([B, H, 1, D]): no per-layer reshape nodes.
+            self.store.write_decode(self.layer, batch, keys, values)
+            return self.store.attend_decode(self.layer, batch, queries, scale)
         if b != 1:
             return self._attend_first_chunks(queries, keys, values, scale)
         seq = self.seqs[0]

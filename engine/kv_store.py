@@ -90,8 +90,9 @@ class DecodeBatch:
     num_blocks: mx.array  # quantized blocks, this step's flushes included
     tail_lens: mx.array  # tail tokens, the new one included
     offsets: int | mx.array  # tokens before the new one (the RoPE offset); an int when B = 1
-    # (slot, kv head, tail index) of every new row, each [B, H_kv]: one scatter
-    # per tail with prepared indices (numpy-style mixed indexing rebuilt them per layer).
+    # (slot, kv head, tail index) of every new row, each [B, H_kv, 1]: one scatter
+    # per tail with prepared indices (numpy-style mixed indexing rebuilt them per layer)
+    # of the model's [B, H_kv, 1, D] rows as they come.
     write_index: tuple[mx.array, mx.array, mx.array]
     # The attention launch of this step (dispatch.attend_plan), made by the first layer.
     plans: dict = field(default_factory=dict)
@@ -280,10 +281,10 @@ class KiviStore:
         offsets = [nb * g + t for t, nb in before]
         slots = mx.array([s.slot for s in seqs], dtype=mx.int32)
         write_pos = mx.array([t - 1 for t in tails], dtype=mx.int32)
-        shape = (len(seqs), self.pools[0].tail_k.shape[1])
-        write_index = (mx.broadcast_to(slots[:, None], shape),
-                       mx.broadcast_to(mx.arange(shape[1], dtype=mx.int32)[None], shape),
-                       mx.broadcast_to(write_pos[:, None], shape))
+        shape = (len(seqs), self.pools[0].tail_k.shape[1], 1)
+        write_index = (mx.broadcast_to(slots[:, None, None], shape),
+                       mx.broadcast_to(mx.arange(shape[1], dtype=mx.int32)[None, :, None], shape),
+                       mx.broadcast_to(write_pos[:, None, None], shape))
         return DecodeBatch(
             seqs,
             slots=slots,
@@ -295,8 +296,11 @@ class KiviStore:
         )
 
     def write_decode(self, layer: int, batch: DecodeBatch, k: mx.array, v: mx.array) -> None:
-        """Write the step's new tokens k, v [B, H_kv, D] into ``layer``'s tails."""
+        """Write the step's new tokens k, v [B, H_kv, 1, D] (the model's layout; or
+        [B, H_kv, D]) into ``layer``'s tails."""
         pool = self.pools[layer]
+        if k.ndim == 3:
+            k, v = k[:, :, None], v[:, :, None]
         pool.tail_k[batch.write_index] = _as(k, pool.tail_k.dtype)
         pool.tail_v[batch.write_index] = _as(v, pool.tail_v.dtype)
 
@@ -314,10 +318,10 @@ class KiviStore:
         """``decode_attend`` for a step prepared by ``begin_decode`` (its tokens written).
 
         Args:
-            q: [B, H_q, D].
+            q: [B, H_q, D], or the model's [B, H_q, 1, D].
 
         Returns:
-            [B, H_q, D].
+            q's shape.
         """
         pool = self.pools[layer]
         key = (q.shape, q.dtype, scale)

@@ -67,7 +67,7 @@ def _module(name: str):
 
 
 def attend_plan(
-    q_shape: tuple[int, int, int],
+    q_shape: tuple[int, ...],
     q_dtype: mx.Dtype,
     pool: KiviPool,
     block_tables: mx.array,
@@ -86,23 +86,38 @@ def attend_plan(
 
     The choice of backend, the support checks and the kernel launch plan are made
     here, once, instead of in every layer (~30 us of Python per call on the H200).
+
+    `q_shape` may also be the model's [B, H_q, 1, D] (one query per sequence, with
+    its length axis): then `attend` takes and returns that shape. The CUDA plan
+    reads and writes it as is (same memory as [B, H_q, D]); dropping and restoring
+    the axis around the call were 3 graph nodes per layer and step.
     """
+    flat = tuple(q_shape)
+    if len(flat) == 4:
+        if flat[2] != 1:
+            raise ValueError(f"decode attention takes one query per sequence, got q of shape {flat}")
+        flat = (flat[0], flat[1], flat[3])
     mod = _module(backend(use_kernel))
+    attend = None
     if mod is not None:
-        reason = mod.supports(q_shape, q_dtype, pool, bits, group_size)
+        reason = mod.supports(flat, q_dtype, pool, bits, group_size)
         if reason is None:
-            if q_shape[0] == 0:
-                return lambda q, _pool: mx.zeros(q.shape, dtype=q.dtype)
             plan = getattr(mod, "AttendPlan", None)
-            if plan is not None:
+            if flat[0] == 0:
+                return lambda q, _pool: mx.zeros(q.shape, dtype=q.dtype)
+            if plan is not None:  # takes either shape
                 return plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens,
                             scale=scale, bits=bits, group_size=group_size)
-            return lambda q, p: mod.kivi_decode_attend(q, p, block_tables, num_blocks, slots, tail_lens,
-                                                       scale=scale, bits=bits, group_size=group_size)
-        if use_kernel:
+            attend = lambda q, p: mod.kivi_decode_attend(  # noqa: E731
+                q, p, block_tables, num_blocks, slots, tail_lens, scale=scale, bits=bits, group_size=group_size)
+        elif use_kernel:
             raise ValueError(f"use_kernel=True, but the kernel does not support {reason}")
-    return lambda q, p: decode_attention(q, p, block_tables, num_blocks, slots, tail_lens,
-                                         scale=scale, bits=bits, group_size=group_size)
+    if attend is None:
+        attend = lambda q, p: decode_attention(q, p, block_tables, num_blocks, slots, tail_lens,  # noqa: E731
+                                               scale=scale, bits=bits, group_size=group_size)
+    if len(q_shape) == 3:
+        return attend
+    return lambda q, p: attend(q.reshape(flat), p).reshape(q.shape)
 
 
 def decode_attend(

@@ -406,6 +406,22 @@ def test_dispatch_picks_the_kernel_and_env_forces_the_reference(monkeypatch):
 
 @pytest.mark.gpu
 @NEEDS_GPU
+def test_plan_takes_the_models_query_layout(split_kernel):
+    """The engine passes q as the model made it, [B, H_q, 1, D]: the step plan reads
+    and returns that shape with exactly the values of the [B, H_q, D] call."""
+    rng = np.random.default_rng(12)
+    q, pool, *meta = make_case(rng, lens=[(5, 130), (0, 9), (2, 31)], h_kv=2, rep=4, d=128,
+                               bits=4, dtype=mx.bfloat16)
+    kw = dict(scale=0.1, bits=4)
+    flat = dispatch.attend_plan(q.shape, q.dtype, pool, *meta, **kw)(q, pool)
+    q4 = q[:, :, None]
+    out = dispatch.attend_plan(q4.shape, q4.dtype, pool, *meta, **kw)(q4, pool)
+    assert out.shape == q4.shape
+    np.testing.assert_array_equal(to_np(out[:, :, 0]), to_np(flat))
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
 def test_growing_lengths_do_not_recompile():
     rng = np.random.default_rng(2)
     be = _backend()

@@ -102,9 +102,12 @@ def test_step_prepared_once_for_all_layers_equals_per_layer_decode():
         for layer in range(3):
             k = mx.random.normal((len(lens), H_KV, D))
             q = mx.random.normal((len(lens), 4, D))
-            a.write_decode(layer, batch, k, -k)
+            # a: the model's [B, H, 1, D] layout, as the engine passes it; b: [B, H, D].
+            a.write_decode(layer, batch, k[:, :, None], -k[:, :, None])
             b.append_decode(layer, seqs_b, k, -k)
-            np.testing.assert_array_equal(np.array(a.attend_decode(layer, batch, q, 0.1)),
+            out = a.attend_decode(layer, batch, q[:, :, None], 0.1)
+            assert out.shape == (len(lens), 4, 1, D)
+            np.testing.assert_array_equal(np.array(out[:, :, 0]),
                                           np.array(b.decode_attend(layer, seqs_b, q, 0.1)))
         assert len(batch.plans) == 1  # one attention launch plan, shared by the 3 layers
         mx.eval([a.pools, b.pools])
