@@ -5,7 +5,12 @@ benchmarks/engine.py; prompts of ``context + i`` tokens, so the sequences
 flush on different steps, as in a real batch), then ``--steps`` steps with
 all B decoding are timed with ``mx.synchronize()`` at their edges.
 ``--arm mlxlm`` runs the same model on mlx-lm's own KV cache instead, one
-request (B=1), as the reference for the B=1 target.
+request (B=1), as the reference for the B=1 target; ``--arm batchgen`` runs
+mlx-lm's BatchGenerator on the same prompts, the reference for B > 1. Every arm
+is timed the same way: steady-state decode steps of all B sequences (nobody
+prefilling or finishing), each with ``mx.synchronize()`` at its edges, so a
+step's host work and device work do not overlap in any arm (kiviq's engine runs
+unpipelined by default, as the worker does).
 
 With ``--trace`` (a CUDA device with PyTorch installed) those steps run under
 ``torch.profiler``: CUPTI records every kernel of the process, MLX's included.
@@ -18,6 +23,7 @@ adds per-layer quantize and scatter work.
     python3 benchmarks/step_trace.py --shape qwen3-4b --batch 32 --context 4096 --steps 16 --trace
     python3 benchmarks/step_trace.py --arm mlxlm --batch 1 --context 4096 --trace
     python3 benchmarks/step_trace.py --batch 1 --host-profile
+    python3 benchmarks/step_trace.py --arm batchgen --batch 32 --context 4096
 """
 
 from __future__ import annotations
@@ -144,10 +150,32 @@ def mlxlm_steps(args, model, prompts):
     return step, []
 
 
+def batchgen_steps(args, model, prompts):
+    """mlx-lm's BatchGenerator (its fp16/bf16 cache), every prompt in decode: the
+    B > 1 reference. A call of `next_generated` is one decode step of the whole
+    batch once nothing is left to prefill; it only returns then with B tokens."""
+    from mlx_lm.generate import BatchGenerator
+
+    b = len(prompts)
+    gen = args.warmup + args.steps + b + 8  # decode steps taken while others still prefill, and slack
+    bg = BatchGenerator(model, max_tokens=gen, completion_batch_size=b, prefill_batch_size=min(8, b))
+    bg.insert(prompts, max_tokens=[gen] * b)
+    while len(bg.next_generated()) < b:  # prefill (and the first decode steps) of everyone
+        pass
+
+    def step():
+        if len(bg.next_generated()) != b:
+            raise SystemExit(f"a timed BatchGenerator step did not return one token per sequence (B={b})")
+    for _ in range(args.warmup):
+        step()
+    return step, []
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arm", default="kiviq", choices=["kiviq", "mlxlm"],
-                   help="kiviq's engine, or mlx-lm's own cache for one request (B=1)")
+    p.add_argument("--arm", default="kiviq", choices=["kiviq", "mlxlm", "batchgen"],
+                   help="kiviq's engine, mlx-lm's own cache for one request (B=1), or mlx-lm's "
+                        "BatchGenerator")
     p.add_argument("--shape", default="qwen3-4b", choices=sorted(SHAPES))
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=4096)
@@ -163,7 +191,8 @@ def main() -> None:
     args = p.parse_args()
     print(f"# {command()}\n# {machine()}\n")
     model, prompts = make_model(args)
-    step, flushes = (engine_steps if args.arm == "kiviq" else mlxlm_steps)(args, model, prompts)
+    arms = {"kiviq": engine_steps, "mlxlm": mlxlm_steps, "batchgen": batchgen_steps}
+    step, flushes = arms[args.arm](args, model, prompts)
     profiler = None
     if args.trace:
         import torch.profiler
@@ -188,7 +217,8 @@ def main() -> None:
     if host is not None:
         host.disable()
     ms = sorted(t * 1e3 for t in times)
-    arm = f"kiviq KIVI {args.bits}-bit" if args.arm == "kiviq" else "mlx-lm KVCache"
+    arm = {"kiviq": f"kiviq KIVI {args.bits}-bit", "mlxlm": "mlx-lm KVCache",
+           "batchgen": "mlx-lm BatchGenerator"}[args.arm]
     print(f"{args.shape}, {args.dtype}, {arm}, B={args.batch}, context {args.context}: "
           f"{args.steps} steps, step ms min / median / max {ms[0]:.2f} / {statistics.median(ms):.2f} / "
           f"{ms[-1]:.2f}; {args.batch / statistics.median(ms) * 1e3:.0f} tok/s"
