@@ -35,7 +35,7 @@ def mib(n: int | float) -> str:
 
 
 def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bits: int,
-                     kv_bytes: int | None = None):
+                     kv_bytes: int | None = None, flush_blocks: int = 1):
     """kiviq's engine with every prompt added and prefilled (no decode step yet).
 
     Args:
@@ -58,10 +58,10 @@ def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bi
     gen += b + sum(map(len, prompts)) // budget + 1
     if kv_bytes is None:
         layers, kv_heads, head_dim = attention_shape(model)
-        tokens = sum(map(len, prompts)) + b * (gen + 128 + 32)  # the default R and G
+        tokens = sum(map(len, prompts)) + b * (gen + 128 + 32 * flush_blocks)  # the default R and G
         kv_bytes = tokens * layers * kv_heads * head_dim * 2 * model_dtype(model).size  # K and V
-    engine = build_engine(model, tokenizer, kv_bits=bits, max_sequences=b, kv_memory=kv_bytes,
-                          max_batch_tokens=budget)
+    engine = build_engine(model, tokenizer, kv_bits=bits, kv_flush_blocks=flush_blocks, max_sequences=b,
+                          kv_memory=kv_bytes, max_batch_tokens=budget)
     for i, p in enumerate(prompts):
         engine.add(Request(str(i), p, gen))
     while engine.stats["prefill_tokens"] < sum(map(len, prompts)):

@@ -70,11 +70,12 @@ def random_model(shape: str, dtype, quantize: int | None):
     return model
 
 
-def kivi_budget(model, bits: int, batch: int, tokens: int) -> int:
+def kivi_budget(model, bits: int, batch: int, tokens: int, flush_blocks: int = 1) -> int:
     """KV bytes B sequences of `tokens` tokens need in kiviq's store (tails + blocks,
     plus the scheduler's reserve), so the pool is sized to the run, not to 64 GiB."""
     layers, n_kv, head_dim = attention_shape(model)
-    probe = KiviStore(layers, n_kv, head_dim, config=KVConfig(bits), num_blocks=1, num_slots=1,
+    probe = KiviStore(layers, n_kv, head_dim, config=KVConfig(bits, flush_blocks=flush_blocks), num_blocks=1,
+                      num_slots=1,
                       dtype=model_dtype(model))
     blocks = -(-(tokens + 64) // probe.config.group_size)
     return batch * (probe.slot_bytes + blocks * probe.block_bytes) + (64 << 20)
@@ -86,10 +87,10 @@ def fp16_cache_bytes(model, batch: int, tokens: int) -> int:
     return batch * tokens * layers * 2 * n_kv * head_dim * 2
 
 
-def run_kiviq(model, prompts, gen, bits, pipeline=False):
-    budget = kivi_budget(model, bits, len(prompts), len(prompts[0]) + gen)
-    engine = build_engine(model, IdTokenizer(), kv_bits=bits, max_sequences=len(prompts),
-                          kv_memory=budget, max_batch_tokens=8192)
+def run_kiviq(model, prompts, gen, bits, pipeline=False, flush_blocks=1):
+    budget = kivi_budget(model, bits, len(prompts), len(prompts[0]) + gen, flush_blocks)
+    engine = build_engine(model, IdTokenizer(), kv_bits=bits, kv_flush_blocks=flush_blocks,
+                          max_sequences=len(prompts), kv_memory=budget, max_batch_tokens=8192)
     engine.pipeline = pipeline
     out = {i: [] for i in range(len(prompts))}
     mx.synchronize()
@@ -165,6 +166,7 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--bits", type=int, nargs="+", default=[4, 2])
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--flush-blocks", type=int, default=1, help="kiviq: KIVI blocks quantized per flush")
     p.add_argument("--max-kv-gb", type=float, default=100.0,
                    help="skip an arm whose KV cache would need more than this")
     p.add_argument("--pipelined-arm", action="store_true",
@@ -183,7 +185,9 @@ def main() -> None:
     for b in args.batch:
         for ctx in args.context:
             arms = [("batchgen", lambda ps: run_batchgen(model, ps, args.gen))]
-            arms += [(f"kiviq-{k}bit", (lambda k: lambda ps: run_kiviq(model, ps, args.gen, k))(k)) for k in args.bits]
+            arms += [(f"kiviq-{k}bit", (lambda k: lambda ps: run_kiviq(model, ps, args.gen, k,
+                                                                      flush_blocks=args.flush_blocks))(k))
+                     for k in args.bits]
             if args.pipelined_arm:  # kiviq 4-bit with decode pipelining (Engine(pipeline=True))
                 arms.append(("kiviq-4bit-pipelined", lambda ps: run_kiviq(model, ps, args.gen, 4, pipeline=True)))
             if b == 1:

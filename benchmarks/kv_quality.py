@@ -123,11 +123,11 @@ def full_forward_nll(model, tokens: list[int]) -> tuple[np.ndarray, mx.array]:
     return np.array(nll), logits
 
 
-def kivi_cache(model, bits: int, group_size: int, residual: int, n_tokens: int):
+def kivi_cache(model, bits: int, group_size: int, residual: int, n_tokens: int, flush_blocks: int = 1):
     from engine.kivi_cache import KiviSequenceCache, make_store
     from engine.kv_store import KVConfig
 
-    store = make_store(model, KVConfig(bits, group_size, residual), max_sequences=1,
+    store = make_store(model, KVConfig(bits, group_size, residual, flush_blocks), max_sequences=1,
                        context=n_tokens + group_size)
     return KiviSequenceCache(store)
 
@@ -160,19 +160,21 @@ def perplexity_section(model, tokenizer, args) -> None:
         assert diff < 1e-2, "chunked fp cache disagrees with the full forward"
     rows.append(["fp (mlx-lm KVCache, float32)", "-", "-", f"{fp:.3f}", "-", "-"])
 
-    configs = [(b, args.group_size, args.residual) for b in args.bits] + args.variants
+    configs = [(b, args.group_size, args.residual, k) for k in args.flush_blocks for b in args.bits]
+    configs += [(b, g, r, 1) for b, g, r in args.variants]
     if args.check:
         # Nothing is ever quantized when the tail holds the whole text: must be fp.
         r_all = -(-len(tokens) // args.group_size) * args.group_size
-        configs.insert(0, (4, args.group_size, r_all))
-    for bits, g, r in configs:
+        configs.insert(0, (4, args.group_size, r_all, 1))
+    for bits, g, r, k in configs:
         t0 = time.perf_counter()
-        cache = kivi_cache(model, bits, g, r, len(tokens))
+        cache = kivi_cache(model, bits, g, r, len(tokens), k)
         nll, _ = chunked_nll(model, cache, tokens, args.chunk)
+        quantized = cache.store.blocks_needed(len(tokens)) * g
         cache.release()
         p = ppl(nll)
-        quantized = max(0, (len(tokens) - r) // g) * g if len(tokens) >= r + g else 0
-        label = f"KIVI {bits}-bit" + (" (sanity: R >= text, nothing quantized)" if r >= len(tokens) else "")
+        label = f"KIVI {bits}-bit" + (f", {k} blocks per flush" if k > 1 else "")
+        label += " (sanity: R >= text, nothing quantized)" if r >= len(tokens) else ""
         print(f"  {label} G={g} R={r}: ppl {p:.4f} ({100 * (p / fp - 1):+.2f}%), "
               f"{quantized} of {len(tokens)} tokens quantized at the end ({time.perf_counter() - t0:.0f} s)",
               flush=True)
@@ -291,6 +293,8 @@ def main() -> None:
     ap.add_argument("--bits", type=int, nargs="+", default=[8, 4, 2])
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--residual", type=int, default=128)
+    ap.add_argument("--flush-blocks", type=int, nargs="+", default=[1],
+                    help="perplexity: KVConfig.flush_blocks values to run at --group-size/--residual")
     ap.add_argument("--variants", type=parse_variant, nargs="*", default=[(2, 32, 256), (2, 16, 128)],
                     metavar="BITS/G/R", help="extra perplexity configs (default: 2/32/256 2/16/128)")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"greedy: prompts (max {len(PROMPTS)})")

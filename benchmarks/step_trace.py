@@ -112,7 +112,8 @@ def make_model(args):
 
 def engine_steps(args, model, prompts):
     """kiviq's engine, prefilled and warmed up: returns (one step, flush counts)."""
-    engine = prefilled_engine(model, IdTokenizer(), prompts, args.warmup + args.steps + 2, bits=args.bits)
+    engine = prefilled_engine(model, IdTokenizer(), prompts, args.warmup + args.steps + 2, bits=args.bits,
+                              flush_blocks=args.flush_blocks)
     for _ in range(args.warmup):
         engine.step()
     flushes = []
@@ -182,6 +183,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--flush-blocks", type=int, default=1, dest="flush_blocks",
+                   help="kiviq: KIVI blocks quantized per flush (KVConfig.flush_blocks)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--trace", action="store_true", help="profile the timed steps with torch.profiler (CUDA)")
     p.add_argument("--host-profile", action="store_true", dest="host_profile",
@@ -217,7 +220,7 @@ def main() -> None:
     if host is not None:
         host.disable()
     ms = sorted(t * 1e3 for t in times)
-    arm = {"kiviq": f"kiviq KIVI {args.bits}-bit", "mlxlm": "mlx-lm KVCache",
+    arm = {"kiviq": f"kiviq KIVI {args.bits}-bit, {args.flush_blocks} block(s) per flush", "mlxlm": "mlx-lm KVCache",
            "batchgen": "mlx-lm BatchGenerator"}[args.arm]
     print(f"{args.shape}, {args.dtype}, {arm}, B={args.batch}, context {args.context}: "
           f"{args.steps} steps, step ms min / median / max {ms[0]:.2f} / {statistics.median(ms):.2f} / "

@@ -58,7 +58,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     run_worker(args.model, args.redis_url, burst=args.burst, max_active=args.max_active, log_level=args.log_level,
                kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_residual=args.kv_residual,
-               kv_memory=args.kv_memory, max_queued=args.max_queued, grace_s=args.grace,
+               kv_flush_blocks=args.kv_flush_blocks, kv_memory=args.kv_memory, max_queued=args.max_queued, grace_s=args.grace,
                metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     return 0
 
@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KIVI KV-cache bits (16: plain fp16 cache)")
     w.add_argument("--kv-group-size", type=int, default=32, help="KIVI group size G")
     w.add_argument("--kv-residual", type=int, default=128, help="KIVI fp16 window R (multiple of G)")
+    w.add_argument("--kv-flush-blocks", type=int, default=1,
+                   help="KIVI blocks quantized per flush k: a tail flushes at R + k*G tokens, so each "
+                        "sequence flushes k times less often (tails hold (k-1)*G more tokens)")
     w.add_argument("--kv-memory", type=parse_bytes, default=None,
                    help="KV store budget, e.g. 2GiB (default: a quarter of device memory)")
     w.add_argument("--metrics-port", type=int, default=None,

@@ -192,7 +192,7 @@ class Engine:
         worth of new blocks must be free).
         """
         return (all(s.runtime.row.params.repetition_penalty == 1.0 for s in seqs)
-                and self.kv_store.free_blocks >= 2 * len(seqs))
+                and self.kv_store.free_blocks >= 2 * self.kv_store.config.flush_blocks * len(seqs))
 
     def _steady(self) -> bool:
         """The next step decodes exactly the in-flight sequences and nothing

@@ -40,16 +40,36 @@ from kernels.dispatch import attend_plan, decode_attend, flush_layers
 
 @dataclass(frozen=True, slots=True)
 class KVConfig:
-    """KIVI parameters: bits b, group size G, residual length R."""
+    """KIVI parameters: bits b, group size G, residual length R, and k, the
+    blocks quantized per flush.
+
+    A sequence's fp16 tail flushes when it reaches R + k*G tokens: its oldest
+    k*G tokens become k blocks, so past its first R tokens the tail holds R to
+    R + k*G - 1 tokens. k = 1 is DESIGN.md's rule. A flush costs the same graph
+    nodes per layer whatever the number of blocks (one quantize and the
+    scatters, for every flushing sequence at once), and with B sequences of
+    unrelated lengths some sequence flushes in most steps when k = 1; k > 1
+    makes each sequence flush k times less often. When a sequence flushes
+    depends only on its own length, so a batch still decodes exactly as its
+    sequences would alone. Each tail holds (k - 1) * G more rows.
+    """
 
     bits: int = 4
     group_size: int = 32
     residual: int = 128
+    flush_blocks: int = 1
 
     def __post_init__(self):
         check_layout(self.bits, self.group_size)
         if self.residual < self.group_size or self.residual % self.group_size:
             raise ValueError(f"residual ({self.residual}) must be a positive multiple of group_size")
+        if self.flush_blocks < 1:
+            raise ValueError(f"flush_blocks ({self.flush_blocks}) must be >= 1")
+
+    @property
+    def flush_tokens(self) -> int:
+        """Tokens one flush quantizes: k * G."""
+        return self.flush_blocks * self.group_size
 
 
 class OutOfKVMemory(RuntimeError):
@@ -118,8 +138,11 @@ class KiviStore:
         self.dtype = dtype
         self.pools: list[KiviPool] = []
         for _ in range(num_layers):
+            # Tails of R + k*G rows (allocate_pool gives residual + G).
             pool = allocate_pool(num_blocks, num_slots, num_kv_heads, head_dim, bits=config.bits,
-                                 group_size=config.group_size, residual=config.residual, dtype=mx.float16)
+                                 group_size=config.group_size,
+                                 residual=config.residual + config.flush_tokens - config.group_size,
+                                 dtype=mx.float16)
             if dtype != mx.float16:  # tails in the model's dtype; scales fp16 unless bf16
                 sd = mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
                 pool = KiviPool(*(a.astype(sd) if a.dtype == mx.float16 else a for a in pool[:6]),
@@ -157,8 +180,8 @@ class KiviStore:
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks a sequence of ``num_tokens`` tokens holds (the rest is in its tail)."""
-        g, r = self.config.group_size, self.config.residual
-        return 0 if num_tokens < r + g else (num_tokens - r) // g
+        g, r, kg = self.config.group_size, self.config.residual, self.config.flush_tokens
+        return 0 if num_tokens < r + kg else (num_tokens - r) // kg * (kg // g)
 
     def new_sequence(self) -> SequenceKV:
         if not self._free_slots:
@@ -209,15 +232,15 @@ class KiviStore:
     def append(self, layer: int, seq: SequenceKV, k: mx.array, v: mx.array) -> None:
         """Commit new tokens k, v [H_kv, L, D] of one sequence to ``layer``.
 
-        Applies the flush rule: while the tail would hold R + G or more
-        tokens, its oldest G become a quantized block. A long prompt is thus
-        quantized at once, leaving R .. R+G-1 tokens in the tail.
+        Applies the flush rule: while the tail would hold R + k*G or more
+        tokens, its oldest k*G become k quantized blocks. A long prompt is thus
+        quantized at once, leaving R .. R + k*G - 1 tokens in the tail.
         """
-        g, r = self.config.group_size, self.config.residual
+        g, r, kg = self.config.group_size, self.config.residual, self.config.flush_tokens
         pool = self.pools[layer]
         t_old, n_new = seq.tail_lens[layer], k.shape[1]
         total = t_old + n_new
-        n_flush = 0 if total < r + g else (total - r) // g
+        n_flush = 0 if total < r + kg else (total - r) // kg * (kg // g)
         if n_flush == 0:
             pool.tail_k[seq.slot, :, t_old:total] = k.astype(pool.tail_k.dtype)
             pool.tail_v[seq.slot, :, t_old:total] = v.astype(pool.tail_v.dtype)
@@ -240,11 +263,11 @@ class KiviStore:
     def begin_decode(self, seqs: list[SequenceKV], layer: int | None = None) -> DecodeBatch:
         """Prepare a decode step that commits one new token per sequence.
 
-        Applies the flush rule first: a tail about to reach R + G tokens has
-        its oldest G quantized into a new block now, in every layer at once
+        Applies the flush rule first: a tail about to reach R + k*G tokens has
+        its oldest k*G quantized into k new blocks now, in every layer at once
         (one host sync, before the step's graph; flushing after the write
         would sync inside the forward, once per layer). The pools end the step
-        exactly as with a flush after the write: the same G tokens are
+        exactly as with a flush after the write: the same k*G tokens are
         quantized and the tail is shifted the same way. The sequences'
         bookkeeping is advanced here, for the token the step will write.
 
@@ -256,7 +279,7 @@ class KiviStore:
         Returns:
             The step's DecodeBatch, for ``write_decode`` and ``attend_decode``.
         """
-        g, r = self.config.group_size, self.config.residual
+        g, r, kb = self.config.group_size, self.config.residual, self.config.flush_blocks
         n = self.num_layers
         first = 0 if layer is None else layer
         before = [(s.tail_lens[first], s.blocks_used[first]) for s in seqs]
@@ -264,15 +287,15 @@ class KiviStore:
             for s, (t, nb) in zip(seqs, before):
                 if s.tail_lens.count(t) != n or s.blocks_used.count(nb) != n:
                     raise RuntimeError("a batched decode step needs every layer of a sequence to hold the same tokens")
-        full = [i for i, (t, _) in enumerate(before) if t == r + g - 1]
+        full = [i for i, (t, _) in enumerate(before) if t == r + kb * g - 1]
         if full:
-            ids = [self._block_for(seqs[i], before[i][1]) for i in full]
+            ids = [self._block_for(seqs[i], before[i][1] + j) for i in full for j in range(kb)]
             pools = self.pools if layer is None else [self.pools[layer]]
-            flush_layers(pools, [seqs[i].slot for i in full], ids, [r + g - 1] * len(full),
-                         bits=self.config.bits, group_size=g)
+            flush_layers(pools, [seqs[i].slot for i in full], ids, [r + kb * g - 1] * len(full),
+                         bits=self.config.bits, group_size=g, blocks_per_slot=kb)
         tails, blocks = [t + 1 for t, _ in before], [nb for _, nb in before]
         for i in full:
-            tails[i], blocks[i] = r, blocks[i] + 1
+            tails[i], blocks[i] = r, blocks[i] + kb
         for s, t, nb in zip(seqs, tails, blocks):
             if layer is None:
                 s.tail_lens, s.blocks_used = [t] * n, [nb] * n
@@ -307,8 +330,8 @@ class KiviStore:
     def append_decode(self, layer: int, seqs: list[SequenceKV], k: mx.array, v: mx.array) -> None:
         """Commit one new token per sequence to ``layer`` alone: k, v [B, H_kv, D].
 
-        A tail holds at most R + G - 1 tokens between steps; one that would
-        reach R + G flushes its oldest G tokens into a new block.
+        A tail holds at most R + k*G - 1 tokens between steps; one that would
+        reach R + k*G flushes its oldest k*G tokens into k new blocks.
         """
         self.write_decode(layer, self.begin_decode(seqs, layer), k, v)
 

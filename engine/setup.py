@@ -25,8 +25,8 @@ KV_BITS_CHOICES = (2, 4, 8, 16)  # 16 = mlx-lm's plain fp16 cache
 
 
 def build_engine(model: Any, tokenizer: Any, *, kv_bits: int = 4, kv_group_size: int = 32,
-                 kv_residual: int = 128, kv_memory: int | None = None, max_sequences: int = 32,
-                 max_batch_tokens: int = 1024) -> Engine | SerialEngine:
+                 kv_residual: int = 128, kv_flush_blocks: int = 1, kv_memory: int | None = None,
+                 max_sequences: int = 32, max_batch_tokens: int = 1024) -> Engine | SerialEngine:
     """The continuous-batching engine over a KIVI store, or for ``kv_bits=16``
     the serial engine on mlx-lm's own fp16 cache (token-exact with mlx-lm).
 
@@ -34,6 +34,8 @@ def build_engine(model: Any, tokenizer: Any, *, kv_bits: int = 4, kv_group_size:
         kv_bits: 2, 4 or 8 for KIVI; 16 for a plain fp16 cache.
         kv_group_size: G, tokens (keys) or channels (values) per quantization group.
         kv_residual: R, the fp16 window of most recent tokens.
+        kv_flush_blocks: k, blocks quantized per flush (a tail flushes at R + k*G
+            tokens; see KVConfig).
         kv_memory: byte budget of the KV store (default: a quarter of device memory).
         max_sequences: sequences the store holds at once.
         max_batch_tokens: tokens fed to the model per step (decode + prefill).
@@ -42,6 +44,6 @@ def build_engine(model: Any, tokenizer: Any, *, kv_bits: int = 4, kv_group_size:
         raise ValueError(f"kv_bits must be one of {KV_BITS_CHOICES}, got {kv_bits}")
     if kv_bits == 16:
         return SerialEngine(model, tokenizer)
-    store = make_store(model, KVConfig(kv_bits, kv_group_size, kv_residual), kv_memory=kv_memory,
+    store = make_store(model, KVConfig(kv_bits, kv_group_size, kv_residual, kv_flush_blocks), kv_memory=kv_memory,
                        max_sequences=max_sequences, context=context_length(model))
     return Engine(model, tokenizer, store, max_batch_tokens=max_batch_tokens)

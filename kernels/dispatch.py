@@ -186,9 +186,14 @@ def flush_layers(
     bits: int,
     group_size: int = 32,
     use_kernel: bool | None = None,
+    blocks_per_slot: int = 1,
 ) -> None:
     """`flush` of the same slots into the same block ids of several pools (a
     model's layers), with one host sync for all of them instead of one per pool.
+
+    With ``blocks_per_slot`` = k each slot's oldest k*G tokens become k blocks
+    (`new_block_ids`: k per slot, slot by slot) and its tail shifts by k*G, in
+    one pass: the same launches and scatters as a one-block flush.
 
     The pools end bit-identical to calling `flush` on each. The flushed tails' rows
     of every pool are gathered and evaluated first; after that no pending op reads
@@ -198,12 +203,13 @@ def flush_layers(
     """
     if not pools:
         return
-    g = group_size
-    checked = check_flush_args(pools[0], slots, new_block_ids, tail_lens, bits=bits, group_size=g)
+    g, kb = group_size, blocks_per_slot
+    checked = check_flush_args(pools[0], slots, new_block_ids, tail_lens, bits=bits, group_size=g,
+                               blocks_per_slot=kb)
     if checked is None:
         return
     slots, ids = checked
-    # rows: [F, H_kv, R + G, D] per pool and tail.
+    # rows: [F, H_kv, R + k*G, D] per pool and tail.
     rows = [(pool.tail_k[slots], pool.tail_v[slots]) for pool in pools]
     mx.eval(rows)
     mod = _module(backend(use_kernel))
@@ -212,12 +218,22 @@ def flush_layers(
     if use_kernel and mod is not None and not kernel:
         raise ValueError(f"use_kernel=True, but the flush kernel does not support D={d}")
     for pool, (rows_k, rows_v) in zip(pools, rows):
+        # Each new block quantizes the first G rows of one entry: the slot's rows
+        # themselves when k = 1, else its oldest k*G rows cut into k entries of G.
+        blocks_k, blocks_v = (rows_k, rows_v) if kb == 1 else (_entries(rows_k, kb, g), _entries(rows_v, kb, g))
         if kernel:  # the kernel's launch, without kivi_flush's own gathers and eval
-            launch, template, params = mod.flush_launch(pool, rows_k, bits=bits, group_size=g)
-            quantized = mod.FLUSH_KERNEL(inputs=[rows_k, rows_v, params], template=template, **launch)
+            launch, template, params = mod.flush_launch(pool, blocks_k, bits=bits, group_size=g)
+            quantized = mod.FLUSH_KERNEL(inputs=[blocks_k, blocks_v, params], template=template, **launch)
         else:
-            quantized = quantize_flushed(pool, rows_k, rows_v, bits=bits, group_size=g)
-        write_flushed(pool, slots, ids, shifted_tail(rows_k, g), shifted_tail(rows_v, g), quantized)
+            quantized = quantize_flushed(pool, blocks_k, blocks_v, bits=bits, group_size=g)
+        write_flushed(pool, slots, ids, shifted_tail(rows_k, kb * g), shifted_tail(rows_v, kb * g), quantized)
+
+
+def _entries(rows: mx.array, k: int, g: int) -> mx.array:
+    """[F, H_kv, T, D] tail rows -> [F * k, H_kv, G, D]: the oldest k*G rows as k
+    blocks' worth of rows per slot, slot by slot (the order of new_block_ids)."""
+    f, h, _, d = rows.shape
+    return rows[:, :, : k * g].reshape(f, h, k, g, d).transpose(0, 2, 1, 3, 4).reshape(f * k, h, g, d)
 
 
 __all__ = ["attend_plan", "backend", "decode_attend", "flush", "flush_layers", "kernel_available"]

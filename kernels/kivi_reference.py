@@ -228,17 +228,20 @@ def decode_attention_dense(
 
 
 def check_flush_args(pool: KiviPool, slots, new_block_ids, tail_lens, *, bits: int,
-                     group_size: int) -> tuple[mx.array, mx.array] | None:
+                     group_size: int, blocks_per_slot: int = 1) -> tuple[mx.array, mx.array] | None:
     """Validate a flush request (shared by the reference and the kernels).
+
+    With ``blocks_per_slot`` = k, each slot flushes its oldest k*G tokens into k
+    blocks: new_block_ids then holds k ids per slot, slot by slot.
 
     Returns:
         (slots, new_block_ids) as int32 arrays, or None when nothing flushes.
 
     Raises:
-        ValueError: mismatched lengths, a tail shorter than G, repeated slots or
+        ValueError: mismatched lengths, a tail shorter than k*G, repeated slots or
             block ids, or a pool built for another layout.
     """
-    g = group_size
+    g, kb = group_size, blocks_per_slot
     _, _, d, row = pool.k_codes.shape
     check_layout(bits, g, d)
     if row * (8 // bits) != g:
@@ -250,11 +253,13 @@ def check_flush_args(pool: KiviPool, slots, new_block_ids, tail_lens, *, bits: i
         return None
     # A host sync, once per G decode steps: cheap, and a bad flush corrupts silently.
     lens = mx.array(tail_lens).tolist()
-    if ids.shape[0] != f or len(lens) != f:
-        raise ValueError("slots, new_block_ids and tail_lens must have the same length")
-    if min(lens) < g:
-        raise ValueError(f"every flushed tail needs >= G={g} tokens, got {lens}")
-    if len(set(slots.tolist())) != f or len(set(ids.tolist())) != f:
+    if ids.shape[0] != f * kb or len(lens) != f:
+        raise ValueError(f"slots and tail_lens must have the same length, and new_block_ids "
+                         f"{kb} per slot")
+    if min(lens) < kb * g:
+        raise ValueError(f"every flushed tail needs >= G={g} tokens per block it flushes "
+                         f"({kb} blocks), got {lens}")
+    if len(set(slots.tolist())) != f or len(set(ids.tolist())) != f * kb:
         raise ValueError("slots and new_block_ids must not repeat")
     return slots, ids
 

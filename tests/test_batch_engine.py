@@ -17,10 +17,10 @@ TEXT = ("The old lighthouse keeper climbed the spiral stairs every evening, coun
 
 
 def make_engine(model, tok, *, blocks=256, slots=16, reserve_tokens=64, max_batch_tokens=256,
-                pipeline=True) -> Engine:
+                pipeline=True, config=KV) -> Engine:
     install_attention_hook()
     layers, h_kv, d = attention_shape(model)
-    store = KiviStore(layers, h_kv, d, config=KV, num_blocks=blocks, num_slots=slots, dtype=model_dtype(model))
+    store = KiviStore(layers, h_kv, d, config=config, num_blocks=blocks, num_slots=slots, dtype=model_dtype(model))
     return Engine(model, tok, store, max_batch_tokens=max_batch_tokens, reserve_tokens=reserve_tokens,
                   pipeline=pipeline)
 
@@ -41,6 +41,21 @@ def test_batch_equals_single(smollm2):
         alone = run(make_engine(model, tok), [req])
         assert batched[req.request_id] == alone[req.request_id], req.request_id
         assert len(alone[req.request_id]) <= req.max_tokens
+
+
+def test_batch_equals_single_with_multi_block_flushes(smollm2):
+    """KVConfig.flush_blocks = 3: each tail is quantized 3 blocks at a time, when its own
+    length says so, so a sequence still decodes exactly as it does alone."""
+    model, tok = smollm2
+    config = KVConfig(bits=4, group_size=16, residual=32, flush_blocks=3)
+    ps = prompts(tok, 4)
+    # >= 3 * G = 48 new tokens: every sequence flushes during decode, not only in its prefill.
+    reqs = lambda: [Request(f"r{i}", ps[i], max_tokens=50 + 3 * i) for i in range(4)]
+    engine = make_engine(model, tok, config=config)
+    batched = run(engine, reqs(), join_every=2)
+    assert engine.kv_store.used_bytes() == 0
+    for req in reqs():
+        assert batched[req.request_id] == run(make_engine(model, tok, config=config), [req])[req.request_id]
 
 
 def test_pipelined_decode_equals_step_by_step(smollm2):

@@ -484,6 +484,36 @@ def test_flush_kernel_is_bit_exact(bits, dtype, g):
             assert np.array_equal(to_np(a), to_np(b)), f"{name} differs ({kind})"
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_multi_block_flush_of_all_layers_kernel_equals_reference(bits, k):
+    """flush_layers with k blocks per slot (KVConfig.flush_blocks): the kernel path
+    leaves every pool bit-identical to the reference path."""
+    rng = np.random.default_rng(bits * 7 + k)
+    g, dtype = 32, mx.bfloat16
+    sets = []
+    for use_kernel in (True, False):
+        pools = [allocate_pool(16, 5, 2, 128, bits=bits, group_size=g, residual=R + (k - 1) * g, dtype=dtype)
+                 for _ in range(3)]
+        sets.append((use_kernel, pools))
+    for layer in range(3):
+        x = {n: _tails(rng, sets[0][1][0].tail_k.shape, "normal") for n in ("tail_k", "tail_v")}
+        for _, pools in sets:
+            for n, a in x.items():
+                getattr(pools[layer], n)[...] = mx.array(a.astype(np.float32)).astype(dtype)
+            mx.eval(*pools[layer])
+    slots, lens = [3, 0], [R + k * g - 1, R + k * g - 1]
+    ids = [9, 2, 14, 5, 11, 0][: 2 * k]
+    for use_kernel, pools in sets:
+        dispatch.flush_layers(pools, slots, ids, lens, bits=bits, group_size=g, use_kernel=use_kernel,
+                              blocks_per_slot=k)
+    for layer in range(3):
+        for name, a, b in zip(KiviPool._fields, sets[0][1][layer], sets[1][1][layer]):
+            assert np.array_equal(to_np(a), to_np(b)), f"layer {layer}: {name} differs"
+
+
 @pytest.mark.gpu
 @NEEDS_GPU
 def test_flush_kernel_is_in_place():

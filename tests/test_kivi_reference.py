@@ -405,6 +405,39 @@ def test_flush_of_all_layers_at_once_equals_a_flush_per_layer(dtype):
         assert to_np(pool.tail_k[0, :, : R - 1]).any()  # something real was compared
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_flush_of_k_blocks_at_once_equals_k_flushes_in_a_row(k):
+    """flush_layers(blocks_per_slot=k) (KVConfig.flush_blocks) leaves each pool
+    exactly as k one-block flushes in a row do: block j gets tail rows
+    j*G .. j*G + G - 1, and the tail ends shifted by k*G with zeros after."""
+    from kernels.dispatch import flush_layers
+
+    rng = np.random.default_rng(k)
+    g, bits, h_kv, d, dtype = 16, 2, 2, 64, mx.bfloat16
+    rows = R + k * g  # the store's tail capacity for this k
+    pairs = []
+    for _ in range(2):  # layers
+        pool = allocate_pool(12, 4, h_kv, d, bits=bits, group_size=g, residual=rows - g, dtype=dtype)
+        pool.tail_k[...] = _normal(rng, pool.tail_k.shape, dtype)
+        pool.tail_v[...] = _normal(rng, pool.tail_v.shape, dtype)
+        pairs.append((pool, type(pool)(*(mx.array(a) for a in pool))))
+    mx.eval(pairs)
+    slots = [2, 0]
+    ids = [[9, 3, 6][:k], [1, 10, 4][:k]]  # per slot, oldest block first
+    full = rows - 1
+    flush_layers([p for p, _ in pairs], slots, [b for per in ids for b in per], [full, full],
+                 bits=bits, group_size=g, blocks_per_slot=k)
+    for pool, twin in pairs:
+        for j in range(k):
+            flush_tails(twin, mx.array(slots), mx.array([per[j] for per in ids]),
+                        mx.array([full - j * g] * 2), bits=bits, group_size=g)
+        for name, a, b in zip(pool._fields, pool, twin):
+            np.testing.assert_array_equal(to_np(a), to_np(b), err_msg=name)
+        assert to_np(pool.k_scales[9]).any() and not to_np(pool.tail_k[2, :, rows - k * g:]).any()
+    with pytest.raises(ValueError, match="per slot"):
+        flush_layers([pairs[0][0]], [1], [5], [full], bits=bits, group_size=g, blocks_per_slot=k)
+
+
 def test_flush_tails_is_in_place_and_validates():
     pool = allocate_pool(512, 256, 8, 128, bits=4)  # tails: 2 x 80 MiB
     mx.eval(*pool)

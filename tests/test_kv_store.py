@@ -17,8 +17,9 @@ from kernels import quantize_key_blocks, quantize_value_blocks, blocks_to_tokens
 H_KV, D = 2, 64
 
 
-def make_store(bits=4, g=16, r=32, blocks=64, slots=4, layers=2, dtype=mx.float32):
-    return KiviStore(layers, H_KV, D, config=KVConfig(bits, g, r), num_blocks=blocks, num_slots=slots, dtype=dtype)
+def make_store(bits=4, g=16, r=32, blocks=64, slots=4, layers=2, dtype=mx.float32, k=1):
+    return KiviStore(layers, H_KV, D, config=KVConfig(bits, g, r, k), num_blocks=blocks, num_slots=slots,
+                     dtype=dtype)
 
 
 def qdq(x: mx.array, bits: int, g: int) -> mx.array:
@@ -29,29 +30,36 @@ def qdq(x: mx.array, bits: int, g: int) -> mx.array:
     return k, v
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
-def test_flush_rule_and_contents_after_every_step(bits):
-    """Tail length invariant, quantized part a multiple of G, K and V aligned,
-    and the stored tokens equal quantize->dequantize of what was appended."""
+@pytest.mark.parametrize("bits,k", [(2, 1), (4, 1), (8, 1), (4, 3), (2, 2)])
+def test_flush_rule_and_contents_after_every_step(bits, k):
+    """Tail length invariant (R .. R + k*G - 1 once past R + k*G tokens; k
+    blocks per flush), quantized part a multiple of k*G, K and V aligned, and
+    the stored tokens equal quantize->dequantize of what was written, through
+    both the prefill path (append) and the decode path (append_decode)."""
     g, r = 16, 32
-    store = make_store(bits, g, r)
+    store = make_store(bits, g, r, k=k)
     seq = store.new_sequence()
-    rng = random.Random(bits)
+    rng = random.Random(bits * 10 + k)
     keys = mx.random.normal((H_KV, 0, D))
     steps = [rng.choice([1, 1, 1, 5, 17, 40]) for _ in range(40)]
+    steps += [1] * (2 * k * g + 3)  # decode steps through at least two decode-path flushes
     for n in steps:
         k_new = mx.random.normal((H_KV, n, D))
         keys = mx.concatenate([keys, k_new], axis=1)
         for layer in range(store.num_layers):
-            store.append(layer, seq, k_new, k_new)  # V = K: both paths checked on the same data
+            if n == 1 and keys.shape[1] > 1:  # a decode step: flushes through flush_layers
+                store.append_decode(layer, [seq], k_new[None, :, 0], k_new[None, :, 0])
+            else:  # V = K: both paths checked on the same data
+                store.append(layer, seq, k_new, k_new)
         total = keys.shape[1]
         for layer in range(store.num_layers):
             tail, nb = seq.tail_lens[layer], seq.blocks_used[layer]
             assert nb * g + tail == total
-            if total < r + g:
+            if total < r + k * g:
                 assert nb == 0 and tail == total
             else:
-                assert r <= tail <= r + g - 1
+                assert r <= tail <= r + k * g - 1
+            assert nb % k == 0 and nb == store.blocks_needed(total)
             assert len(seq.block_ids) == nb
         past_k, past_v = store.dense_past(0, seq)
         cut = seq.blocks_used[0] * g
@@ -83,28 +91,29 @@ def test_batched_decode_append_equals_one_by_one():
             np.testing.assert_array_equal(np.array(x), np.array(y))
 
 
-def test_step_prepared_once_for_all_layers_equals_per_layer_decode():
+@pytest.mark.parametrize("k", [1, 2])
+def test_step_prepared_once_for_all_layers_equals_per_layer_decode(k):
     """The engine's path (one DecodeBatch per step, flushes of every layer at
     once before the writes) leaves every pool exactly as per-layer appends
     (flush after the write) and attends to the same values."""
     g, r = 16, 32
-    a, b = make_store(4, g, r, slots=8, layers=3), make_store(4, g, r, slots=8, layers=3)
-    lens = [1, r + g - 3, r + g - 1, 100, 2 * g + r - 1]
+    a, b = make_store(4, g, r, slots=8, layers=3, k=k), make_store(4, g, r, slots=8, layers=3, k=k)
+    lens = [1, r + k * g - 3, r + k * g - 1, 100, 2 * k * g + r - 1]
     seqs_a, seqs_b = [a.new_sequence() for _ in lens], [b.new_sequence() for _ in lens]
     for layer in range(3):
         for sa, sb, n in zip(seqs_a, seqs_b, lens):
             x = mx.random.normal((H_KV, n, D))
             a.append(layer, sa, x, -x)
             b.append(layer, sb, x, -x)
-    for step in range(g + 3):  # every sequence flushes at least once
+    for step in range(k * g + 3):  # every sequence flushes at least once
         batch = a.begin_decode(seqs_a)
-        assert a.free_blocks == b.free_blocks - sum(1 for s in seqs_b if s.tail_lens[0] == r + g - 1)
+        assert a.free_blocks == b.free_blocks - k * sum(1 for s in seqs_b if s.tail_lens[0] == r + k * g - 1)
         for layer in range(3):
-            k = mx.random.normal((len(lens), H_KV, D))
+            new = mx.random.normal((len(lens), H_KV, D))
             q = mx.random.normal((len(lens), 4, D))
             # a: the model's [B, H, 1, D] layout, as the engine passes it; b: [B, H, D].
-            a.write_decode(layer, batch, k[:, :, None], -k[:, :, None])
-            b.append_decode(layer, seqs_b, k, -k)
+            a.write_decode(layer, batch, new[:, :, None], -new[:, :, None])
+            b.append_decode(layer, seqs_b, new, -new)
             out = a.attend_decode(layer, batch, q[:, :, None], 0.1)
             assert out.shape == (len(lens), 4, 1, D)
             np.testing.assert_array_equal(np.array(out[:, :, 0]),
