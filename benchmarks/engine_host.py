@@ -30,6 +30,7 @@ into min / median / mean / max. Each arm's generated tokens are hashed: equal
 digests across arms mean token-identical outputs.
 
     python benchmarks/engine_host.py --arm before=HEAD --arm after=. --batch 1 8 32
+    python benchmarks/engine_host.py --arm k1=. --arm k4=.,flush_blocks=4 --batch 32 --attention stub
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ def child(args) -> dict:
     mx.eval(model.parameters())
     b = args.batch
     gen = args.warmup + args.steps + 1
+    kv = {"kv_flush_blocks": args.flush_blocks} if args.flush_blocks != 1 else {}  # old trees lack it
     engine = build_engine(model, _ID_TOKENIZER, kv_bits=args.bits, max_sequences=b,
-                          kv_memory=4 << 30, max_batch_tokens=8192)
+                          kv_memory=4 << 30, max_batch_tokens=8192, **kv)
     prompts = [mx.random.randint(0, args.vocab, (args.context + i,), key=mx.random.key(i)).tolist()
                for i in range(b)]
     marks: list[float] = []  # when the step's final eval (settle or launch) was called
@@ -161,8 +163,9 @@ def stats_ms(xs: list[float]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arm", action="append", metavar="NAME=TREE",
-                   help="NAME=. (working tree), NAME=DIR or NAME=<git revision>; repeatable (default: now=.)")
+    p.add_argument("--arm", action="append", metavar="NAME=TREE[,flush_blocks=K]",
+                   help="NAME=. (working tree), NAME=DIR or NAME=<git revision>, optionally with the KV "
+                        "store's flush_blocks; repeatable (default: now=.)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--context", type=int, default=256, help="prompt tokens of the first sequence")
     p.add_argument("--steps", type=int, default=48, help="timed decode steps per run")
@@ -175,6 +178,7 @@ def main() -> None:
                    help="dispatch: kernel or reference as the engine picks; stub: attention returns q")
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"],
                    help="float32 on CPU (fast BLAS path); bfloat16 as served on a GPU")
+    p.add_argument("--flush-blocks", type=int, default=1, dest="flush_blocks", help=argparse.SUPPRESS)  # child
     p.add_argument("--code", help=argparse.SUPPRESS)  # child: the code tree to import
     p.add_argument("--child-batch", type=int, dest="child_batch", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -187,6 +191,11 @@ def main() -> None:
     from benchmarks.common import command, machine, table
 
     arms = [a.split("=", 1) for a in (args.arm or ["now=."])]
+    flush_blocks = {}  # per arm
+    for i, (name, spec) in enumerate(arms):
+        spec, _, option = spec.partition(",flush_blocks=")
+        arms[i] = [name, spec]
+        flush_blocks[name] = int(option or 1)
     results: dict[tuple[int, str], dict] = {}
     passthrough = ["--context", str(args.context), "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--bits", str(args.bits), "--hidden", str(args.hidden), "--vocab", str(args.vocab),
@@ -197,7 +206,8 @@ def main() -> None:
         for rep in range(args.repeats):
             for b in args.batch:
                 for name, _ in (arms if rep % 2 == 0 else arms[::-1]):  # alternate which arm goes first
-                    cmd = [sys.executable, harness, "--code", trees[name], "--child-batch", str(b), *passthrough]
+                    cmd = [sys.executable, harness, "--code", trees[name], "--child-batch", str(b), *passthrough,
+                           "--flush-blocks", str(flush_blocks[name])]
                     proc = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ)
                     r = json.loads(proc.stdout.strip().splitlines()[-1])
                     acc = results.setdefault((b, name), dict(build=[], host=[], step=[], evals=[], digests=set()))
@@ -218,7 +228,7 @@ def main() -> None:
     for b in args.batch:
         for name, spec in arms:
             r = results[(b, name)]
-            rows.append([b, f"{name} ({spec})", stats_ms(r["build"]), stats_ms(r["host"]), stats_ms(r["step"]),
+            rows.append([b, f"{name} ({spec}" + (f", flush_blocks={flush_blocks[name]})" if flush_blocks[name] > 1 else ")"), stats_ms(r["build"]), stats_ms(r["host"]), stats_ms(r["step"]),
                          f"{statistics.fmean(r['evals']):.1f}", ", ".join(sorted(r["digests"]))])
     print(table(["B", "arm", "build ms", "host ms", "step ms", "evals/step", "tokens sha256"], rows))
 
