@@ -209,14 +209,23 @@ def flush_layers(
     if checked is None:
         return
     slots, ids = checked
-    # rows: [F, H_kv, R + k*G, D] per pool and tail.
-    rows = [(pool.tail_k[slots], pool.tail_v[slots]) for pool in pools]
-    mx.eval(rows)
     mod = _module(backend(use_kernel))
     d = pools[0].k_codes.shape[2]
     kernel = mod is not None and d in mod.HEAD_DIMS and pools[0].k_scales.dtype in mod.POOL_DTYPES
     if use_kernel and mod is not None and not kernel:
         raise ValueError(f"use_kernel=True, but the flush kernel does not support D={d}")
+    if kernel and mod is kivi_cuda and os.environ.get(kivi_cuda.FLUSH_KERNEL_ENV, "gather") == "fused":
+        # Opt-in until measured on the GPU: one launch per pool reads the tails
+        # through the slots and also returns them shifted; then only the scatters.
+        outputs = [kivi_cuda.FLUSH_FUSED_KERNEL(**kivi_cuda.fused_flush_launch(
+            pool, slots, bits=bits, group_size=g, blocks_per_slot=kb)) for pool in pools]
+        mx.eval(outputs)  # every read of the pools, before any write (in place)
+        for pool, out in zip(pools, outputs):
+            write_flushed(pool, slots, ids, *out[6:], out[:6])
+        return
+    # rows: [F, H_kv, R + k*G, D] per pool and tail.
+    rows = [(pool.tail_k[slots], pool.tail_v[slots]) for pool in pools]
+    mx.eval(rows)
     for pool, (rows_k, rows_v) in zip(pools, rows):
         # Each new block quantizes the first G rows of one entry: the slot's rows
         # themselves when k = 1, else its oldest k*G rows cut into k entries of G.

@@ -75,7 +75,11 @@ F * H_kv * D), bit-exact to `kernels.kivi_quant`: float32 subtract, correctly ro
 division (`__fsub_rn`, `__fdiv_rn`), `rintf` (half to even), zero and scale rounded to
 the storage dtype first and codes computed from the stored values. The caller
 scatters the small outputs into the pool and shifts the tails with mlx ops
-(`kivi_flush`), in place as in the reference.
+(`kivi_flush`), in place as in the reference. `kivi_flush_fused` (opt-in,
+KIVIQ_FLUSH_KERNEL=fused, used by `dispatch.flush_layers`; CUDA only until it has
+been measured) reads the tails through the flushing slots, handles k blocks per slot,
+and also returns the shifted tails, so a layer's flush is one launch plus the
+scatters. Both share `kivi_flush_block`, so they quantize alike.
 """
 
 from __future__ import annotations
@@ -303,6 +307,71 @@ __device__ __forceinline__ uint32_t kivi_quantize(float x, float zf, float sf) {
   float q = rintf(__fdiv_rn(__fsub_rn(x, zf), sf));
   q = fminf(fmaxf(q, 0.0f), float((1 << BITS) - 1));
   return uint32_t(q);
+}
+
+// One new block of one kv head, thread d of D: the key group of channel d (the G
+// rows of rk) and the value group d (token d / NG, channel group d % NG of the rows
+// of rv), written at output index fh (= new block * H_kv + kv head). Shared by both
+// flush kernels, so they quantize alike by construction.
+template <typename SD, int D, int G, int BITS>
+__device__ __forceinline__ void kivi_flush_block(const SD* rk, const SD* rv, int fh, int d,
+                                                 uint8_t* k_codes, SD* k_scales, SD* k_zeros,
+                                                 uint8_t* v_codes, SD* v_scales, SD* v_zeros) {
+  constexpr int P = 8 / BITS;
+  constexpr int NG = D / G;
+  constexpr int CPW = 32 / BITS;   // codes per 32-bit word
+  {
+    // Keys: channel d over the G oldest tokens.
+    const SD* x = rk + d;
+    float mn = kivi_f(x[0]), mx = mn;
+    for (int t = 1; t < G; ++t) {
+      const float v = kivi_f(x[(size_t)t * D]);
+      mn = fminf(mn, v);
+      mx = fmaxf(mx, v);
+    }
+    SD zero, scale;
+    float zf, sf;
+    kivi_group_params<SD, BITS>(mn, mx, zero, scale, zf, sf);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(k_codes + ((size_t)fh * D + d) * (G / P));
+    for (int w = 0; w < G / CPW; ++w) {
+      uint32_t word = 0u;
+#pragma unroll
+      for (int j = 0; j < CPW; ++j) {
+        const float v = kivi_f(x[(size_t)(w * CPW + j) * D]);
+        word |= kivi_quantize<BITS>(v, zf, sf) << (j * BITS);
+      }
+      dst[w] = word;
+    }
+    k_scales[(size_t)fh * D + d] = scale;
+    k_zeros[(size_t)fh * D + d] = zero;
+  }
+  {
+    // Values: token d / NG, channels (d % NG) * G .. + G.
+    const int t = d / NG;
+    const int gi = d % NG;
+    const SD* x = rv + (size_t)t * D + gi * G;
+    float mn = kivi_f(x[0]), mx = mn;
+    for (int c = 1; c < G; ++c) {
+      const float v = kivi_f(x[c]);
+      mn = fminf(mn, v);
+      mx = fmaxf(mx, v);
+    }
+    SD zero, scale;
+    float zf, sf;
+    kivi_group_params<SD, BITS>(mn, mx, zero, scale, zf, sf);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(
+        v_codes + ((size_t)fh * G + t) * (D / P) + gi * (G / P));
+    for (int w = 0; w < G / CPW; ++w) {
+      uint32_t word = 0u;
+#pragma unroll
+      for (int j = 0; j < CPW; ++j) {
+        word |= kivi_quantize<BITS>(kivi_f(x[w * CPW + j]), zf, sf) << (j * BITS);
+      }
+      dst[w] = word;
+    }
+    v_scales[(size_t)fh * D + d] = scale;
+    v_zeros[(size_t)fh * D + d] = zero;
+  }
 }
 
 // Rows 0 .. tl-1 (tl <= 32) of an fp16/bf16 tail (tk / tv, rows of D) folded into a
@@ -1067,66 +1136,49 @@ MERGE_SOURCE = r"""
 # Outputs: k_codes [F, H_kv, D, G/P], k_scales/k_zeros [F, H_kv, D],
 #          v_codes [F, H_kv, G, D/P], v_scales/v_zeros [F, H_kv, G, D/G].
 FLUSH_SOURCE = r"""
-  constexpr int P = 8 / BITS;
-  constexpr int NG = D / G;
-  constexpr int CPW = 32 / BITS;   // codes per 32-bit word
   const int fh = blockIdx.x;
   const int d = threadIdx.x;
   const int RG = params[0];
-  const SD* rk = rows_k + (size_t)fh * RG * D;
-  const SD* rv = rows_v + (size_t)fh * RG * D;
-  {
-    // Keys: channel d over the G oldest tokens.
-    const SD* x = rk + d;
-    float mn = kivi_f(x[0]), mx = mn;
-    for (int t = 1; t < G; ++t) {
-      const float v = kivi_f(x[(size_t)t * D]);
-      mn = fminf(mn, v);
-      mx = fmaxf(mx, v);
+  kivi_flush_block<SD, D, G, BITS>(rows_k + (size_t)fh * RG * D, rows_v + (size_t)fh * RG * D, fh, d,
+                                   k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros);
+"""
+
+# The fused flush (opt-in, FLUSH_KERNEL_ENV=fused; CUDA only, no Metal twin yet: it has
+# not run on a GPU). Inputs: tail_k, tail_v [slots, H_kv, T, D] (the pool's tails of
+# T = R + k*G rows, SD), slots int32 [F] (the flushing slots), params int32 [T, H_kv, k].
+# Each slot flushes k blocks: entry e = f * k + blk is block blk, tail rows blk*G ..
+# blk*G + G - 1 of slot f. One thread block per (e, h), one thread per channel d; the
+# blocks with blk = 0 also write channel d of their slot's shifted tails.
+# Outputs: the six block arrays as above for F*k new blocks, then
+#          shifted_k/shifted_v [F, H_kv, T, D]: the tails once their oldest k*G rows
+#          left (moved down, zeros at the end), ready to be scattered back.
+# Reading the tails through `slots` and writing the shifted rows here replaces, per
+# layer, the two gathers and each tail's slice/zeros/concatenate: ~8 of a flush's ~17
+# graph nodes, and a flush ran in nearly every B = 32 step (step_trace --trace).
+FLUSH_FUSED_SOURCE = r"""
+  const int fh = blockIdx.x;  // (entry, kv head): the index of this block's outputs
+  const int d = threadIdx.x;
+  const int RG = params[0];
+  const int H_kv = params[1];
+  const int K = params[2];
+  const int e = fh / H_kv, h = fh % H_kv;
+  const int f = e / K, blk = e % K;  // block blk of slot f's flush
+  const size_t slot_rows = ((size_t)slots[f] * H_kv + h) * RG * D;
+  if (blk == 0) {
+    const SD* tk = tail_k + slot_rows;
+    const SD* tv = tail_v + slot_rows;
+    const size_t shift = (size_t)K * G * D;
+    const size_t out0 = ((size_t)f * H_kv + h) * RG * D;
+    for (int i = 0; i < RG; ++i) {
+      const size_t o = (size_t)i * D + d;
+      const bool kept = i + K * G < RG;
+      shifted_k[out0 + o] = kept ? tk[o + shift] : kivi_from_f<SD>(0.0f);
+      shifted_v[out0 + o] = kept ? tv[o + shift] : kivi_from_f<SD>(0.0f);
     }
-    SD zero, scale;
-    float zf, sf;
-    kivi_group_params<SD, BITS>(mn, mx, zero, scale, zf, sf);
-    uint32_t* dst = reinterpret_cast<uint32_t*>(k_codes + ((size_t)fh * D + d) * (G / P));
-    for (int w = 0; w < G / CPW; ++w) {
-      uint32_t word = 0u;
-#pragma unroll
-      for (int j = 0; j < CPW; ++j) {
-        const float v = kivi_f(x[(size_t)(w * CPW + j) * D]);
-        word |= kivi_quantize<BITS>(v, zf, sf) << (j * BITS);
-      }
-      dst[w] = word;
-    }
-    k_scales[(size_t)fh * D + d] = scale;
-    k_zeros[(size_t)fh * D + d] = zero;
   }
-  {
-    // Values: token d / NG, channels (d % NG) * G .. + G.
-    const int t = d / NG;
-    const int gi = d % NG;
-    const SD* x = rv + (size_t)t * D + gi * G;
-    float mn = kivi_f(x[0]), mx = mn;
-    for (int c = 1; c < G; ++c) {
-      const float v = kivi_f(x[c]);
-      mn = fminf(mn, v);
-      mx = fmaxf(mx, v);
-    }
-    SD zero, scale;
-    float zf, sf;
-    kivi_group_params<SD, BITS>(mn, mx, zero, scale, zf, sf);
-    uint32_t* dst = reinterpret_cast<uint32_t*>(
-        v_codes + ((size_t)fh * G + t) * (D / P) + gi * (G / P));
-    for (int w = 0; w < G / CPW; ++w) {
-      uint32_t word = 0u;
-#pragma unroll
-      for (int j = 0; j < CPW; ++j) {
-        word |= kivi_quantize<BITS>(kivi_f(x[w * CPW + j]), zf, sf) << (j * BITS);
-      }
-      dst[w] = word;
-    }
-    v_scales[(size_t)fh * D + d] = scale;
-    v_zeros[(size_t)fh * D + d] = zero;
-  }
+  kivi_flush_block<SD, D, G, BITS>(tail_k + slot_rows + (size_t)blk * G * D,
+                                   tail_v + slot_rows + (size_t)blk * G * D, fh, d,
+                                   k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros);
 """
 
 POOL_NAMES = ("k_codes", "k_scales", "k_zeros", "v_codes", "v_scales", "v_zeros",
@@ -1137,11 +1189,14 @@ ATTEND_OUTPUTS = ["part_acc", "part_ml"]
 MERGE_INPUTS = ["part_acc", "part_ml", "params"]
 FLUSH_INPUTS = ["rows_k", "rows_v", "params"]
 FLUSH_OUTPUTS = list(POOL_NAMES[:6])
+FLUSH_FUSED_INPUTS = ["tail_k", "tail_v", "slots", "params"]
+FLUSH_FUSED_OUTPUTS = [*POOL_NAMES[:6], "shifted_k", "shifted_v"]
+FLUSH_KERNEL_ENV = "KIVIQ_FLUSH_KERNEL"  # "gather" (default) or "fused" (FLUSH_FUSED_SOURCE)
 
 
 def _build():
     if not _cuda_available():
-        return None, None, None, None
+        return None, None, None, None, None
     def k(source, **kw):  # the kernel's own header items only (kernels.cuda_source says why)
         return mx.fast.cuda_kernel(source=compact(source), header=kernel_header(HEADER, source), **kw)
 
@@ -1153,10 +1208,12 @@ def _build():
         k(MERGE_SOURCE, name="kivi_attend_merge", input_names=MERGE_INPUTS, output_names=["out"]),
         k(FLUSH_SOURCE, name="kivi_flush_quantize", input_names=FLUSH_INPUTS,
           output_names=FLUSH_OUTPUTS),
+        k(FLUSH_FUSED_SOURCE, name="kivi_flush_fused", input_names=FLUSH_FUSED_INPUTS,
+          output_names=FLUSH_FUSED_OUTPUTS),
     )
 
 
-ATTEND_KERNEL, ATTEND_MMA_KERNEL, MERGE_KERNEL, FLUSH_KERNEL = _build()
+ATTEND_KERNEL, ATTEND_MMA_KERNEL, MERGE_KERNEL, FLUSH_KERNEL, FLUSH_FUSED_KERNEL = _build()
 
 # ----------------------------------------------------------------------------------
 # Host side, shared with the Metal backend (kernels.kivi_metal).
@@ -1411,6 +1468,26 @@ def flush_launch(pool: KiviPool, rows_k, *, bits, group_size):
                        (f, h_kv, g, d // p), (f, h_kv, g, d // g), (f, h_kv, g, d // g)],
         output_dtypes=[mx.uint8, sd, sd, mx.uint8, sd, sd],
     ), [("SD", sd), ("D", d), ("G", g), ("BITS", bits)], _const((rg,), mx.int32)
+
+
+def fused_flush_launch(pool: KiviPool, slots: mx.array, *, bits, group_size, blocks_per_slot: int = 1):
+    """The fused flush kernel's call (FLUSH_FUSED_SOURCE) for these flushing slots, k =
+    blocks_per_slot new blocks each: inputs, template and launch."""
+    f, k = slots.shape[0], blocks_per_slot
+    _, h_kv, rg, d = pool.tail_k.shape
+    g, p = group_size, 8 // bits
+    sd = pool.k_scales.dtype
+    n = f * k  # new blocks, slot by slot
+    return dict(
+        inputs=[pool.tail_k, pool.tail_v, slots, _const((rg, h_kv, k), mx.int32)],
+        template=[("SD", sd), ("D", d), ("G", g), ("BITS", bits)],
+        grid=(n * h_kv * d, 1, 1),
+        threadgroup=(d, 1, 1),
+        output_shapes=[(n, h_kv, d, g // p), (n, h_kv, d), (n, h_kv, d),
+                       (n, h_kv, g, d // p), (n, h_kv, g, d // g), (n, h_kv, g, d // g),
+                       (f, h_kv, rg, d), (f, h_kv, rg, d)],
+        output_dtypes=[mx.uint8, sd, sd, mx.uint8, sd, sd, sd, sd],
+    )
 
 
 def kivi_flush(

@@ -18,7 +18,8 @@ from kernels.cuda_source import compact, kernel_header, top_level_items
 
 HEADER = kivi_cuda.HEADER
 SOURCES = {"split_mma": kivi_cuda.ATTEND_MMA_SOURCE, "split_v1": kivi_cuda.ATTEND_SOURCE,
-           "merge": kivi_cuda.MERGE_SOURCE, "flush": kivi_cuda.FLUSH_SOURCE}
+           "merge": kivi_cuda.MERGE_SOURCE, "flush": kivi_cuda.FLUSH_SOURCE,
+           "flush_fused": kivi_cuda.FLUSH_FUSED_SOURCE}
 NAME = re.compile(r"\b(?:kivi|KIVI)_\w+")
 
 
@@ -110,6 +111,8 @@ def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
          [("T", bf), ("D", 128), ("REP", 4), ("MAX_SPLITS", 1024), ("MERGE_WARPS", 16)]),
         ("flush", [("rows_k", bf), ("rows_v", bf), ("params", i32)], pool[:6],
          [("SD", bf), ("D", 128), ("G", 32), ("BITS", 2)]),
+        ("flush_fused", [("tail_k", bf), ("tail_v", bf), ("slots", i32), ("params", i32)],
+         [*pool[:6], ("shifted_k", bf), ("shifted_v", bf)], [("SD", bf), ("D", 128), ("G", 32), ("BITS", 4)]),
     ]
     for kernel, inputs, outputs, template in cases:
         source = SOURCES[kernel]

@@ -486,11 +486,13 @@ def test_flush_kernel_is_bit_exact(bits, dtype, g):
 
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("flush_kernel", ["gather", "fused"])
 @pytest.mark.gpu
 @NEEDS_GPU
-def test_multi_block_flush_of_all_layers_kernel_equals_reference(bits, k):
-    """flush_layers with k blocks per slot (KVConfig.flush_blocks): the kernel path
-    leaves every pool bit-identical to the reference path."""
+def test_multi_block_flush_of_all_layers_kernel_equals_reference(bits, k, flush_kernel, monkeypatch):
+    """flush_layers with k blocks per slot (KVConfig.flush_blocks), with either flush
+    kernel (KIVIQ_FLUSH_KERNEL): every pool ends bit-identical to the reference path."""
+    monkeypatch.setenv(kivi_cuda.FLUSH_KERNEL_ENV, flush_kernel)
     rng = np.random.default_rng(bits * 7 + k)
     g, dtype = 32, mx.bfloat16
     sets = []
@@ -512,6 +514,26 @@ def test_multi_block_flush_of_all_layers_kernel_equals_reference(bits, k):
     for layer in range(3):
         for name, a, b in zip(KiviPool._fields, sets[0][1][layer], sets[1][1][layer]):
             assert np.array_equal(to_np(a), to_np(b)), f"layer {layer}: {name} differs"
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_fused_flush_of_all_layers_is_in_place(monkeypatch):
+    if _backend() is not kivi_cuda:
+        pytest.skip("the fused flush kernel is CUDA only")
+    monkeypatch.setenv(kivi_cuda.FLUSH_KERNEL_ENV, "fused")
+    pools = [allocate_pool(512, 256, 8, 128, bits=4) for _ in range(2)]  # tails: 2 x 80 MiB each
+    mx.eval(pools)
+    objects = [id(a) for p in pools for a in p]
+    dispatch.flush_layers(pools, [5, 9], [100, 7], [R + 31, R + 31], bits=4)  # compile outside
+    mx.eval(pools)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    dispatch.flush_layers(pools, [6, 10], [101, 8], [R + 31, R + 31], bits=4)
+    mx.eval(pools)
+    assert [id(a) for p in pools for a in p] == objects
+    # One copy of a tail array would add 80 MiB; the shifted rows are 2 x 2 x 2 x 160 KiB.
+    assert mx.get_peak_memory() - base < 16 * 2**20
 
 
 @pytest.mark.gpu
