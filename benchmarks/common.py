@@ -44,7 +44,7 @@ def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bi
             during the later prefill steps, so each request's max_tokens is
             gen plus the most prefill steps this batch can take.
         kv_bytes: KV budget; default: the run's tokens at the model's dtype plus
-            each tail's R + G rows (a fixed budget that held only part of a large
+            each tail's R + k*G rows (a fixed budget that held only part of a large
             batch made the prefill loop preempt forever).
 
     Raises:
@@ -53,18 +53,18 @@ def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bi
     from engine import Request, build_engine
     from engine.kivi_cache import attention_shape, model_dtype
 
-    b = len(prompts)
+    b, prompt_tokens = len(prompts), sum(map(len, prompts))
     budget = 1 << 16  # tokens per engine step
-    gen += b + sum(map(len, prompts)) // budget + 1
+    gen += b + prompt_tokens // budget + 1
     if kv_bytes is None:
         layers, kv_heads, head_dim = attention_shape(model)
-        tokens = sum(map(len, prompts)) + b * (gen + 128 + 32 * flush_blocks)  # the default R and G
+        tokens = prompt_tokens + b * (gen + 128 + 32 * flush_blocks)  # the default R and G
         kv_bytes = tokens * layers * kv_heads * head_dim * 2 * model_dtype(model).size  # K and V
     engine = build_engine(model, tokenizer, kv_bits=bits, kv_flush_blocks=flush_blocks, max_sequences=b,
                           kv_memory=kv_bytes, max_batch_tokens=budget)
     for i, p in enumerate(prompts):
         engine.add(Request(str(i), p, gen))
-    while engine.stats["prefill_tokens"] < sum(map(len, prompts)):
+    while engine.stats["prefill_tokens"] < prompt_tokens:
         engine.step()
         if engine.stats["preemptions"]:
             raise SystemExit(f"the KV budget ({kv_bytes >> 20} MiB) does not hold B={b}")

@@ -40,11 +40,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.utils import _get_classes  # noqa: E402
 
 import engine.kv_store as kv_store_module  # noqa: E402
 from benchmarks.common import command, machine, prefilled_engine, table  # noqa: E402
-from benchmarks.engine import SHAPES, IdTokenizer  # noqa: E402
+from benchmarks.engine import SHAPES, IdTokenizer, random_model  # noqa: E402
 
 DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -99,13 +98,9 @@ def print_host_profile(host, steps: int, top: int) -> None:
 
 
 def make_model(args):
-    cfg = dict(SHAPES[args.shape])
-    model_cls, args_cls = _get_classes(cfg)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(cfg))
-    model.set_dtype(getattr(mx, args.dtype))
-    mx.eval(model.parameters())
-    prompts = [mx.random.randint(0, cfg["vocab_size"], (args.context + i,), key=mx.random.key(i)).tolist()
+    model = random_model(args.shape, getattr(mx, args.dtype), None)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    prompts = [mx.random.randint(0, vocab, (args.context + i,), key=mx.random.key(i)).tolist()
                for i in range(args.batch)]
     return model, prompts
 

@@ -195,10 +195,11 @@ def flush_layers(
     (`new_block_ids`: k per slot, slot by slot) and its tail shifts by k*G, in
     one pass: the same launches and scatters as a one-block flush.
 
-    The pools end bit-identical to calling `flush` on each. The flushed tails' rows
-    of every pool are gathered and evaluated first; after that no pending op reads
-    the pools, so the quantization and the scatters stay lazy and still update the
-    pools in place when the caller's next graph (a decode step) is evaluated.
+    The pools end bit-identical to calling `flush` on each. Every read of the pools
+    is evaluated first (the flushed tails' rows, gathered; with the fused kernel its
+    outputs); after that no pending op reads the pools, so the rest stays lazy and
+    the scatters still update the pools in place when the caller's next graph (a
+    decode step) is evaluated.
     `use_kernel` as in `decode_attend`.
     """
     if not pools:

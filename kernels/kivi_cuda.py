@@ -1456,18 +1456,25 @@ def flush_apply(pool: KiviPool, slots, ids, rows_k, rows_v, quantized, group_siz
     return pool
 
 
-def flush_launch(pool: KiviPool, rows_k, *, bits, group_size):
-    """Launch arguments of the flush kernel (minus inputs' rows and template)."""
-    f, h_kv, rg, d = rows_k.shape
+def _new_blocks_launch(pool: KiviPool, n: int, *, bits, group_size):
+    """(launch, template) of a flush kernel that writes n new blocks: one thread block
+    per (new block, kv head) of D threads, and the six block arrays as outputs."""
+    _, h_kv, _, d = pool.tail_k.shape
     g, p = group_size, 8 // bits
     sd = pool.k_scales.dtype
     return dict(
-        grid=(f * h_kv * d, 1, 1),
+        grid=(n * h_kv * d, 1, 1),
         threadgroup=(d, 1, 1),
-        output_shapes=[(f, h_kv, d, g // p), (f, h_kv, d), (f, h_kv, d),
-                       (f, h_kv, g, d // p), (f, h_kv, g, d // g), (f, h_kv, g, d // g)],
+        output_shapes=[(n, h_kv, d, g // p), (n, h_kv, d), (n, h_kv, d),
+                       (n, h_kv, g, d // p), (n, h_kv, g, d // g), (n, h_kv, g, d // g)],
         output_dtypes=[mx.uint8, sd, sd, mx.uint8, sd, sd],
-    ), [("SD", sd), ("D", d), ("G", g), ("BITS", bits)], _const((rg,), mx.int32)
+    ), [("SD", sd), ("D", d), ("G", g), ("BITS", bits)]
+
+
+def flush_launch(pool: KiviPool, rows_k, *, bits, group_size):
+    """Launch arguments of the flush kernel (minus inputs' rows and template)."""
+    launch, template = _new_blocks_launch(pool, rows_k.shape[0], bits=bits, group_size=group_size)
+    return launch, template, _const((rows_k.shape[2],), mx.int32)
 
 
 def fused_flush_launch(pool: KiviPool, slots: mx.array, *, bits, group_size, blocks_per_slot: int = 1):
@@ -1475,19 +1482,11 @@ def fused_flush_launch(pool: KiviPool, slots: mx.array, *, bits, group_size, blo
     blocks_per_slot new blocks each: inputs, template and launch."""
     f, k = slots.shape[0], blocks_per_slot
     _, h_kv, rg, d = pool.tail_k.shape
-    g, p = group_size, 8 // bits
-    sd = pool.k_scales.dtype
-    n = f * k  # new blocks, slot by slot
-    return dict(
-        inputs=[pool.tail_k, pool.tail_v, slots, _const((rg, h_kv, k), mx.int32)],
-        template=[("SD", sd), ("D", d), ("G", g), ("BITS", bits)],
-        grid=(n * h_kv * d, 1, 1),
-        threadgroup=(d, 1, 1),
-        output_shapes=[(n, h_kv, d, g // p), (n, h_kv, d), (n, h_kv, d),
-                       (n, h_kv, g, d // p), (n, h_kv, g, d // g), (n, h_kv, g, d // g),
-                       (f, h_kv, rg, d), (f, h_kv, rg, d)],
-        output_dtypes=[mx.uint8, sd, sd, mx.uint8, sd, sd, sd, sd],
-    )
+    launch, template = _new_blocks_launch(pool, f * k, bits=bits, group_size=group_size)
+    launch["output_shapes"] += [(f, h_kv, rg, d)] * 2  # the shifted tails
+    launch["output_dtypes"] += [pool.tail_k.dtype] * 2
+    return dict(inputs=[pool.tail_k, pool.tail_v, slots, _const((rg, h_kv, k), mx.int32)],
+                template=template, **launch)
 
 
 def kivi_flush(
