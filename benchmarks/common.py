@@ -43,23 +43,29 @@ def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bi
             emitting in each. Sequences prefilled in an early step decode
             during the later prefill steps, so each request's max_tokens is
             gen plus the most prefill steps this batch can take.
-        kv_bytes: KV budget; default: the run's tokens at the model's dtype plus
-            each tail's R + k*G rows (a fixed budget that held only part of a large
-            batch made the prefill loop preempt forever).
+        kv_bytes: KV budget; default: exactly the blocks and tails this run
+            needs at this bit width, plus one block per sequence (a fixed budget
+            that held only part of a large batch made the prefill loop preempt
+            forever; a bf16-sized one held several engines' worth at 4 bits).
 
     Raises:
         SystemExit: the budget did not hold the batch (a preemption).
     """
     from engine import Request, build_engine
     from engine.kivi_cache import attention_shape, model_dtype
+    from engine.kv_store import KiviStore, KVConfig
 
     b, prompt_tokens = len(prompts), sum(map(len, prompts))
     budget = 1 << 16  # tokens per engine step
     gen += b + prompt_tokens // budget + 1
     if kv_bytes is None:
         layers, kv_heads, head_dim = attention_shape(model)
-        tokens = prompt_tokens + b * (gen + 128 + 32 * flush_blocks)  # the default R and G
-        kv_bytes = tokens * layers * kv_heads * head_dim * 2 * model_dtype(model).size  # K and V
+        config = KVConfig(bits, flush_blocks=flush_blocks)
+        probe = KiviStore(layers, kv_heads, head_dim, config=config, num_blocks=1, num_slots=1,
+                          dtype=model_dtype(model))
+        room = max(gen, 64)  # admission asks for the engine's default 64-token reserve
+        blocks = sum(-(-(len(p) + room) // config.group_size) + 1 for p in prompts)
+        kv_bytes = blocks * probe.block_bytes + b * probe.slot_bytes
     engine = build_engine(model, tokenizer, kv_bits=bits, kv_flush_blocks=flush_blocks, max_sequences=b,
                           kv_memory=kv_bytes, max_batch_tokens=budget)
     for i, p in enumerate(prompts):

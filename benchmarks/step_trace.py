@@ -24,12 +24,22 @@ adds per-layer quantize and scatter work.
     python3 benchmarks/step_trace.py --arm mlxlm --batch 1 --context 4096 --trace
     python3 benchmarks/step_trace.py --batch 1 --host-profile
     python3 benchmarks/step_trace.py --arm batchgen --batch 32 --context 4096
+
+Several ``--arm``s run in one process on the same model and prompts, their timed
+steps interleaved in ``--rounds`` rounds (the first arm rotating), and every arm's
+tokens are compared with the first arm's (the A/B form; commands and tables in
+docs/benchmarks.md):
+
+    python3 benchmarks/step_trace.py --batch 32 --steps 32 --rounds 4 --warmup 100 \
+        --arm kiviq --arm kiviq,flush=gather --arm kiviq,flush_blocks=4 --arm batchgen
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import hashlib
 import json
 import os
 import statistics
@@ -42,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mlx.core as mx  # noqa: E402
 
 import engine.kv_store as kv_store_module  # noqa: E402
+from kernels import kivi_cuda  # noqa: E402
 from benchmarks.common import command, machine, prefilled_engine, table  # noqa: E402
 from benchmarks.engine import SHAPES, IdTokenizer, random_model  # noqa: E402
 
@@ -105,77 +116,206 @@ def make_model(args):
     return model, prompts
 
 
-def engine_steps(args, model, prompts):
-    """kiviq's engine, prefilled and warmed up: returns (one step, flush counts)."""
-    engine = prefilled_engine(model, IdTokenizer(), prompts, args.warmup + args.steps + 2, bits=args.bits,
-                              flush_blocks=args.flush_blocks)
-    for _ in range(args.warmup):
-        engine.step()
-    flushes = []
-    real_flush = kv_store_module.flush_layers
+class Arm:
+    """One configuration under test, from ``--arm NAME[,KEY=VALUE...]``: kiviq
+    (keys ``flush_blocks``, ``flush`` = gather or fused, ``bits``, ``pipeline``),
+    mlxlm (key ``pipeline``: mlx-lm's own ``generate_step``, which builds step
+    n+1 while step n runs, as ``stream_generate`` does) or batchgen. A step runs
+    one decode step of every sequence; ``history`` holds every sequence's tokens
+    so far (prefill and warm-up included), so arms are compared token by token.
+
+    Unpipelined arms are timed step by step with ``mx.synchronize()`` at each
+    step's edges. A pipelined arm overlaps consecutive steps by design, so only
+    its blocks of ``--steps`` steps are synchronized at their edges, and each of
+    its steps is timed as it returns (in steady state, the time between two
+    tokens)."""
+
+    def __init__(self, spec: str, args):
+        name, *pairs = spec.split(",")
+        self.spec, self.name = spec, name
+        self.opts = dict(p.split("=", 1) for p in pairs)
+        known = {"kiviq": {"flush_blocks", "flush", "bits", "pipeline"}, "mlxlm": {"pipeline"}, "batchgen": set()}
+        if name not in known or set(self.opts) - known[name]:
+            raise SystemExit(f"--arm {spec}: expected kiviq[,flush_blocks=K][,flush=gather|fused][,bits=B]"
+                             "[,pipeline=1], mlxlm[,pipeline=1] or batchgen")
+        self.pipelined = self.opts.get("pipeline", "0") == "1"
+        self.env = {kivi_cuda.FLUSH_KERNEL_ENV: self.opts["flush"]} if "flush" in self.opts else {}
+        self.flushes: list[int] = []
+        self.times: list[float] = []
+        self.history: list[list[int]] = []
+
+    def build(self, args, model, prompts) -> None:
+        with self.environment():
+            if self.name == "kiviq":
+                self._step = engine_steps(args, model, prompts, self.flushes, self.history,
+                                          bits=int(self.opts.get("bits", args.bits)),
+                                          flush_blocks=int(self.opts.get("flush_blocks", args.flush_blocks)),
+                                          pipeline=self.pipelined)
+            elif self.name == "mlxlm":
+                self._step = mlxlm_steps(args, model, prompts, self.history, pipeline=self.pipelined)
+            else:
+                self._step = batchgen_steps(args, model, prompts, self.history)
+
+    @contextlib.contextmanager
+    def environment(self):
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def timed_steps(self, n: int) -> None:
+        with self.environment():
+            mx.synchronize()
+            for _ in range(n):
+                t0 = time.perf_counter()
+                self._step()
+                if not self.pipelined:
+                    mx.synchronize()
+                self.times.append(time.perf_counter() - t0)
+            mx.synchronize()
+
+    @property
+    def label(self) -> str:
+        names = {"mlxlm": "mlx-lm KVCache", "batchgen": "mlx-lm BatchGenerator"}
+        return self.spec.replace(self.name, names[self.name], 1) if self.name in names else self.spec
+
+
+def engine_steps(args, model, prompts, flushes: list[int], history: list[list[int]], *, bits: int,
+                 flush_blocks: int, pipeline: bool):
+    """kiviq's engine, prefilled and warmed up: returns one step. ``flushes``
+    gets the number of flushing tails of every timed flush; ``history`` each
+    sequence's tokens (a pipelined engine emits a step's tokens one step late)."""
+    engine = prefilled_engine(model, IdTokenizer(), prompts, args.warmup + args.rounds * args.steps + 2,
+                              bits=bits, flush_blocks=flush_blocks)
+    engine.pipeline = pipeline
+    history += [list(engine._seqs[str(i)].generated) for i in range(len(prompts))]
+    # Count this engine's flushes while its own step runs (arms built later wrap
+    # this wrapper; each counts only during its own steps).
+    state = {"timing": False}
+    real = kv_store_module.flush_layers
 
     def counted_flush(pools, slots, *a, **k):
-        flushes.append(len(slots))
-        return real_flush(pools, slots, *a, **k)
+        if state["timing"]:
+            flushes.append(len(slots))
+        return real(pools, slots, *a, **k)
 
     kv_store_module.flush_layers = counted_flush
 
     def step():
-        if len(engine.step()) != len(prompts):
-            raise SystemExit(f"a timed step did not emit one event per sequence (B={len(prompts)})")
-    return step, flushes
+        events = engine.step()
+        for e in events:
+            if e.finish_reason is not None:
+                raise SystemExit(f"sequence {e.request_id} ended during the run ({e.finish_reason})")
+            history[int(e.request_id)] += e.token_ids
+        if len(events) != len(prompts) and not (pipeline and not events):
+            raise SystemExit(f"a step emitted {len(events)} events, not one per sequence (B={len(prompts)})")
+    for _ in range(args.warmup):
+        step()
+
+    def timed():
+        state["timing"] = True
+        step()
+        state["timing"] = False
+    return timed
 
 
-def mlxlm_steps(args, model, prompts):
-    """mlx-lm's own KV cache, one request (B=1), greedy: the B=1 reference."""
+def mlxlm_steps(args, model, prompts, history: list[list[int]], *, pipeline: bool):
+    """mlx-lm's own KV cache, one request (B=1), greedy: the B=1 reference.
+    Pipelined: mlx-lm's ``generate_step`` itself (what ``stream_generate`` runs)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     if args.batch != 1:
         raise SystemExit("--arm mlxlm decodes one request: use --batch 1")
-    cache = make_prompt_cache(model)
-    logits = model(mx.array(prompts[0])[None], cache=cache)
-    state = {"tok": mx.argmax(logits[:, -1], axis=-1)}
-    mx.eval(state["tok"])
+    history.append([])
+    if pipeline:
+        from mlx_lm.generate import generate_step
 
-    def step():
-        logits = model(state["tok"][:, None], cache=cache)
-        state["tok"] = mx.argmax(logits[:, -1], axis=-1)
-        state["tok"].item()  # the engine's step also ends with the tokens on the host
+        tokens = generate_step(mx.array(prompts[0]), model, max_tokens=-1)
+
+        def step():
+            history[0].append(int(next(tokens)[0]))
+        step()  # the prefill and the first token
+    else:
+        cache = make_prompt_cache(model)
+        logits = model(mx.array(prompts[0])[None], cache=cache)
+        state = {"tok": mx.argmax(logits[:, -1], axis=-1)}
+        history[0].append(state["tok"].item())
+
+        def step():
+            logits = model(state["tok"][:, None], cache=cache)
+            state["tok"] = mx.argmax(logits[:, -1], axis=-1)
+            history[0].append(state["tok"].item())  # the engine's step also ends with the tokens on the host
     for _ in range(args.warmup):
         step()
-    return step, []
+    return step
 
 
-def batchgen_steps(args, model, prompts):
+def batchgen_steps(args, model, prompts, history: list[list[int]]):
     """mlx-lm's BatchGenerator (its fp16/bf16 cache), every prompt in decode: the
     B > 1 reference. A call of `next_generated` is one decode step of the whole
     batch once nothing is left to prefill; it only returns then with B tokens."""
     from mlx_lm.generate import BatchGenerator
 
     b = len(prompts)
-    gen = args.warmup + args.steps + b + 8  # decode steps taken while others still prefill, and slack
+    gen = args.warmup + args.rounds * args.steps + b + 8  # steps taken while others still prefill, and slack
     bg = BatchGenerator(model, max_tokens=gen, completion_batch_size=b, prefill_batch_size=min(8, b))
-    bg.insert(prompts, max_tokens=[gen] * b)
-    while len(bg.next_generated()) < b:  # prefill (and the first decode steps) of everyone
+    uids = bg.insert(prompts, max_tokens=[gen] * b)
+    order = {u: i for i, u in enumerate(uids)}
+    history += [[] for _ in prompts]
+
+    def record(out):
+        for r in out:
+            history[order[r.uid]].append(int(r.token))
+        return len(out)
+    while record(bg.next_generated()) < b:  # prefill (and the first decode steps) of everyone
         pass
 
     def step():
-        if len(bg.next_generated()) != b:
+        if record(bg.next_generated()) != b:
             raise SystemExit(f"a timed BatchGenerator step did not return one token per sequence (B={b})")
     for _ in range(args.warmup):
         step()
-    return step, []
+    return step
+
+
+def report(arms: list[Arm], args) -> None:
+    """Per arm: step time min / median / mean / max, throughput from the mean
+    (flushing steps included: the steady-state rate), flushes, and how many of
+    its tokens equal the first arm's at the same position of the same sequence
+    (over the length both produced)."""
+    rows = []
+    for arm in arms:
+        ms = sorted(t * 1e3 for t in arm.times)
+        mean = statistics.fmean(ms)
+        pairs = [(a, b) for mine, first in zip(arm.history, arms[0].history) for a, b in zip(mine, first)]
+        same = sum(a == b for a, b in pairs)
+        digest = hashlib.sha1(repr(arm.history).encode()).hexdigest()[:10]
+        flushed = (f"{len(arm.flushes)} ({sum(arm.flushes)} tails)" if arm.name == "kiviq" else "-")
+        rows.append([arm.label, len(ms), f"{ms[0]:.2f} / {statistics.median(ms):.2f} / {mean:.2f} / {ms[-1]:.2f}",
+                     f"{args.batch / mean * 1e3:.0f}", flushed, f"{same} / {len(pairs)}", digest])
+    print(f"{args.shape}, {args.dtype}, B={args.batch}, context {args.context}, {args.rounds} round(s) of "
+          f"{args.steps} steps per arm, arms interleaved (first arm rotating)\n")
+    print(table(["arm", "steps", "step ms min / median / mean / max", "tok/s (mean)", "steps that flushed",
+                 "tokens = first arm's", "digest of all tokens"], rows))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arm", default="kiviq", choices=["kiviq", "mlxlm", "batchgen"],
-                   help="kiviq's engine, mlx-lm's own cache for one request (B=1), or mlx-lm's "
-                        "BatchGenerator")
+    p.add_argument("--arm", action="append", dest="arms", metavar="SPEC",
+                   help="repeatable: kiviq[,flush_blocks=K][,flush=gather|fused][,bits=B] (kiviq's engine), "
+                        "mlxlm (mlx-lm's own cache, one request, B=1) or batchgen (mlx-lm's BatchGenerator); "
+                        "default kiviq")
     p.add_argument("--shape", default="qwen3-4b", choices=sorted(SHAPES))
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--steps", type=int, default=16, help="timed steps per arm per round")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of interleaved timed blocks")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--flush-blocks", type=int, default=1, dest="flush_blocks",
@@ -187,10 +327,13 @@ def main() -> None:
                         "MLX calls they make; eval-time work shows under the call that waits)")
     p.add_argument("--top", type=int, default=25, help="kernel rows (and host functions) to print")
     args = p.parse_args()
+    arms = [Arm(spec, args) for spec in (args.arms or ["kiviq"])]
+    if (args.trace or args.host_profile) and (len(arms) > 1 or args.rounds > 1):
+        raise SystemExit("--trace and --host-profile profile one arm in one round")
     print(f"# {command()}\n# {machine()}\n")
     model, prompts = make_model(args)
-    arms = {"kiviq": engine_steps, "mlxlm": mlxlm_steps, "batchgen": batchgen_steps}
-    step, flushes = arms[args.arm](args, model, prompts)
+    for arm in arms:
+        arm.build(args, model, prompts)
     profiler = None
     if args.trace:
         import torch.profiler
@@ -203,24 +346,14 @@ def main() -> None:
 
         host = cProfile.Profile()
         host.enable()
-    times = []
-    mx.synchronize()
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        step()
-        mx.synchronize()
-        times.append(time.perf_counter() - t0)
+    for r in range(args.rounds):
+        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+            arm.timed_steps(args.steps)
     if profiler is not None:
         profiler.__exit__(None, None, None)
     if host is not None:
         host.disable()
-    ms = sorted(t * 1e3 for t in times)
-    arm = {"kiviq": f"kiviq KIVI {args.bits}-bit, {args.flush_blocks} block(s) per flush", "mlxlm": "mlx-lm KVCache",
-           "batchgen": "mlx-lm BatchGenerator"}[args.arm]
-    print(f"{args.shape}, {args.dtype}, {arm}, B={args.batch}, context {args.context}: "
-          f"{args.steps} steps, step ms min / median / max {ms[0]:.2f} / {statistics.median(ms):.2f} / "
-          f"{ms[-1]:.2f}; {args.batch / statistics.median(ms) * 1e3:.0f} tok/s"
-          + (f"; {len(flushes)} of the steps flushed ({sum(flushes)} tails)" if args.arm == "kiviq" else ""))
+    report(arms, args)
     if host is not None:
         print_host_profile(host, args.steps, args.top)
     if profiler is None:

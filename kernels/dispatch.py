@@ -215,9 +215,13 @@ def flush_layers(
     kernel = mod is not None and d in mod.HEAD_DIMS and pools[0].k_scales.dtype in mod.POOL_DTYPES
     if use_kernel and mod is not None and not kernel:
         raise ValueError(f"use_kernel=True, but the flush kernel does not support D={d}")
-    if kernel and mod is kivi_cuda and os.environ.get(kivi_cuda.FLUSH_KERNEL_ENV, "gather") == "fused":
-        # Opt-in until measured on the GPU: one launch per pool reads the tails
-        # through the slots and also returns them shifted; then only the scatters.
+    flush_kernel = os.environ.get(kivi_cuda.FLUSH_KERNEL_ENV, "fused")
+    if flush_kernel not in ("fused", "gather"):
+        raise ValueError(f"{kivi_cuda.FLUSH_KERNEL_ENV}={flush_kernel!r}: expected 'fused' or 'gather'")
+    if kernel and mod is kivi_cuda and flush_kernel == "fused":
+        # One launch per pool reads the tails through the slots and also returns
+        # them shifted; then only the scatters. The default on CUDA: B=32 steps
+        # 26.3 -> 19.3 ms mean, same tokens (docs/benchmarks.md, session 7).
         outputs = [kivi_cuda.FLUSH_FUSED_KERNEL(**kivi_cuda.fused_flush_launch(
             pool, slots, bits=bits, group_size=g, blocks_per_slot=kb)) for pool in pools]
         mx.eval(outputs)  # every read of the pools, before any write (in place)

@@ -75,11 +75,12 @@ F * H_kv * D), bit-exact to `kernels.kivi_quant`: float32 subtract, correctly ro
 division (`__fsub_rn`, `__fdiv_rn`), `rintf` (half to even), zero and scale rounded to
 the storage dtype first and codes computed from the stored values. The caller
 scatters the small outputs into the pool and shifts the tails with mlx ops
-(`kivi_flush`), in place as in the reference. `kivi_flush_fused` (opt-in,
-KIVIQ_FLUSH_KERNEL=fused, used by `dispatch.flush_layers`; CUDA only until it has
-been measured) reads the tails through the flushing slots, handles k blocks per slot,
-and also returns the shifted tails, so a layer's flush is one launch plus the
-scatters. Both share `kivi_flush_block`, so they quantize alike.
+(`kivi_flush`), in place as in the reference. `kivi_flush_fused` (what
+`dispatch.flush_layers`, the engine's flush, runs on CUDA; KIVIQ_FLUSH_KERNEL=gather
+selects the first kernel with mlx gathers for A/B runs; no Metal twin yet, Metal
+runs the gather path) reads the tails through the flushing slots, handles k blocks
+per slot, and also returns the shifted tails, so a layer's flush is one launch plus
+the scatters. Both share `kivi_flush_block`, so they quantize alike.
 """
 
 from __future__ import annotations
@@ -1143,8 +1144,8 @@ FLUSH_SOURCE = r"""
                                    k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros);
 """
 
-# The fused flush (opt-in, FLUSH_KERNEL_ENV=fused; CUDA only, no Metal twin yet: it has
-# not run on a GPU). Inputs: tail_k, tail_v [slots, H_kv, T, D] (the pool's tails of
+# The fused flush (the CUDA default; FLUSH_KERNEL_ENV=gather selects the other; no
+# Metal twin yet). Inputs: tail_k, tail_v [slots, H_kv, T, D] (the pool's tails of
 # T = R + k*G rows, SD), slots int32 [F] (the flushing slots), params int32 [T, H_kv, k].
 # Each slot flushes k blocks: entry e = f * k + blk is block blk, tail rows blk*G ..
 # blk*G + G - 1 of slot f. One thread block per (e, h), one thread per channel d; the
@@ -1191,7 +1192,7 @@ FLUSH_INPUTS = ["rows_k", "rows_v", "params"]
 FLUSH_OUTPUTS = list(POOL_NAMES[:6])
 FLUSH_FUSED_INPUTS = ["tail_k", "tail_v", "slots", "params"]
 FLUSH_FUSED_OUTPUTS = [*POOL_NAMES[:6], "shifted_k", "shifted_v"]
-FLUSH_KERNEL_ENV = "KIVIQ_FLUSH_KERNEL"  # "gather" (default) or "fused" (FLUSH_FUSED_SOURCE)
+FLUSH_KERNEL_ENV = "KIVIQ_FLUSH_KERNEL"  # "fused" (default, FLUSH_FUSED_SOURCE) or "gather"
 
 
 def _build():

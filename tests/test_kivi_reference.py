@@ -463,3 +463,16 @@ def test_layout_checks():
         quantize_key_blocks(mx.zeros((1, 1, 24, 64)), bits=4)
     codes, scales, zeros = quantize_groups(mx.full((2, 32), 7.0), 4, mx.float16)
     assert np.all(np.array(codes) == 0) and np.all(np.array(scales) == 0)
+
+
+def test_unknown_flush_kernel_name_fails_with_the_variable(monkeypatch):
+    """A typo in KIVIQ_FLUSH_KERNEL must not silently pick a flush kernel."""
+    from kernels import kivi_cuda
+    from kernels.dispatch import flush_layers
+
+    pool = allocate_pool(4, 2, 1, 64, bits=4, group_size=32, residual=R)
+    monkeypatch.setenv(kivi_cuda.FLUSH_KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match="KIVIQ_FLUSH_KERNEL='fast'"):
+        flush_layers([pool], [0], [1], [R + 31], bits=4, group_size=32)
+    monkeypatch.setenv(kivi_cuda.FLUSH_KERNEL_ENV, "gather")
+    flush_layers([pool], [0], [1], [R + 31], bits=4, group_size=32)  # a known name runs
