@@ -166,7 +166,9 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--bits", type=int, nargs="+", default=[4, 2])
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--flush-blocks", type=int, default=1, help="kiviq: KIVI blocks quantized per flush")
+    p.add_argument("--flush-blocks", type=int, nargs="+", default=[1],
+                   help="kiviq: KIVI blocks quantized per flush; several values run one kiviq arm each "
+                        "(named kiviq-<b>bit-k<K> for K != 1)")
     p.add_argument("--max-kv-gb", type=float, default=100.0,
                    help="skip an arm whose KV cache would need more than this")
     p.add_argument("--pipelined-arm", action="store_true",
@@ -185,15 +187,17 @@ def main() -> None:
     for b in args.batch:
         for ctx in args.context:
             arms = [("batchgen", lambda ps: run_batchgen(model, ps, args.gen))]
-            arms += [(f"kiviq-{k}bit", (lambda k: lambda ps: run_kiviq(model, ps, args.gen, k,
-                                                                      flush_blocks=args.flush_blocks))(k))
-                     for k in args.bits]
+            arms += [(f"kiviq-{k}bit" + (f"-k{fb}" if fb != 1 else ""),
+                      (lambda k, fb: lambda ps: run_kiviq(model, ps, args.gen, k, flush_blocks=fb))(k, fb))
+                     for k in args.bits for fb in args.flush_blocks]
             if args.pipelined_arm:  # kiviq 4-bit with decode pipelining (Engine(pipeline=True))
                 arms.append(("kiviq-4bit-pipelined", lambda ps: run_kiviq(model, ps, args.gen, 4, pipeline=True)))
             if b == 1:
                 arms.append(("mlx-lm single", lambda ps: run_single(model, ps[0], args.gen)))
             if args.arms:
-                arms = [(n, f) for n, f in arms if n in args.arms or (n == "mlx-lm single" and "single" in args.arms)]
+                arms = [(n, f) for n, f in arms
+                        if n in args.arms or n.rsplit("-k", 1)[0] in args.arms
+                        or (n == "mlx-lm single" and "single" in args.arms)]
             skipped = []
             fp16_gb = fp16_cache_bytes(model, b, ctx + args.gen) / 1e9
             if fp16_gb > args.max_kv_gb:
