@@ -35,7 +35,7 @@ def mib(n: int | float) -> str:
 
 
 def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bits: int,
-                     kv_bytes: int | None = None, flush_blocks: int = 1):
+                     kv_bytes: int | None = None, flush_blocks: int = 1, compile_decode: bool = False):
     """kiviq's engine with every prompt added and prefilled (no decode step yet).
 
     Args:
@@ -67,7 +67,7 @@ def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bi
         blocks = sum(-(-(len(p) + room) // config.group_size) + 1 for p in prompts)
         kv_bytes = blocks * probe.block_bytes + b * probe.slot_bytes
     engine = build_engine(model, tokenizer, kv_bits=bits, kv_flush_blocks=flush_blocks, max_sequences=b,
-                          kv_memory=kv_bytes, max_batch_tokens=budget)
+                          kv_memory=kv_bytes, max_batch_tokens=budget, compile_decode=compile_decode)
     for i, p in enumerate(prompts):
         engine.add(Request(str(i), p, gen))
     while engine.stats["prefill_tokens"] < prompt_tokens:

@@ -58,7 +58,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     run_worker(args.model, args.redis_url, burst=args.burst, max_active=args.max_active, log_level=args.log_level,
                kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_residual=args.kv_residual,
-               kv_flush_blocks=args.kv_flush_blocks, kv_memory=args.kv_memory, max_queued=args.max_queued, grace_s=args.grace,
+               kv_flush_blocks=args.kv_flush_blocks, kv_memory=args.kv_memory, compile_decode=args.compile_decode,
+               pipeline_decode=args.pipeline_decode,
+               max_queued=args.max_queued, grace_s=args.grace,
                metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     return 0
 
@@ -166,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "sequence flushes k times less often (tails hold (k-1)*G more tokens)")
     w.add_argument("--kv-memory", type=parse_bytes, default=None,
                    help="KV store budget, e.g. 2GiB (default: a quarter of device memory)")
+    w.add_argument("--compile-decode", action="store_true",
+                   help="replay decode steps through mx.compile (less host work per step; same tokens)")
+    w.add_argument("--pipeline-decode", action="store_true",
+                   help="build each decode step while the previous one runs on the device (same tokens; "
+                        "events one step later); fastest at small batches together with --compile-decode")
     w.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port)")
     w.add_argument("--metrics-host", default="127.0.0.1",

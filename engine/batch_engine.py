@@ -71,10 +71,14 @@ class Engine:
         store: the KV store (its slots bound the sequences held at once).
         max_batch_tokens: tokens per step, decode plus prefill chunks.
         reserve_tokens: generation room required to admit a request.
+        pipeline: overlap steady decode steps (see below).
+        compile_decode: replay decode steps through mx.compile
+            (engine.compiled_decode); same tokens, less host work per step.
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, store: KiviStore, *,
-                 max_batch_tokens: int = 1024, reserve_tokens: int = 64, pipeline: bool = False):
+                 max_batch_tokens: int = 1024, reserve_tokens: int = 64, pipeline: bool = False,
+                 compile_decode: bool = False):
         self.model = model
         # Optional: steady decoding overlaps host and device (step n+1's graph is
         # built on step n's sampled tokens, still on the device, and step n's events
@@ -84,7 +88,7 @@ class Engine:
         self._inflight: tuple[list[Sequence], Sampled] | None = None
         self.tokenizer = tokenizer
         self.kv_store = store
-        self.runner = ModelRunner(model, store)
+        self.runner = ModelRunner(model, store, compile_decode=compile_decode)
         self.scheduler = Scheduler(_StoreCounts(store), max_batch_tokens, reserve_tokens)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()

@@ -19,6 +19,8 @@ each layer only scatters its new token and runs its attention.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -317,6 +319,16 @@ class KiviStore:
             offsets=offsets[0] if len(offsets) == 1 else mx.array(offsets, dtype=mx.int32),
             write_index=write_index,
         )
+
+    @contextlib.contextmanager
+    def using_pools(self, pools: list[KiviPool]):
+        """Run the per-layer decode methods (``write_decode``, ``attend_decode``)
+        on stand-in pools: ``mx.compile``'s traced arrays (engine.compiled_decode)."""
+        saved, self.pools = self.pools, pools
+        try:
+            yield
+        finally:
+            self.pools = saved
 
     def write_decode(self, layer: int, batch: DecodeBatch, k: mx.array, v: mx.array) -> None:
         """Write the step's new tokens k, v [B, H_kv, 1, D] (the model's layout; or

@@ -6,6 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.compiled_decode import CompiledDecode
 from engine.kivi_cache import KiviLayerCache
 from engine.kv_store import KiviStore, SequenceKV
 
@@ -13,9 +14,11 @@ from engine.kv_store import KiviStore, SequenceKV
 class ModelRunner:
     """Runs an mlx-lm model whose attention reads and writes a KiviStore."""
 
-    def __init__(self, model: nn.Module, store: KiviStore):
+    def __init__(self, model: nn.Module, store: KiviStore, *, compile_decode: bool = False):
         self.model = model
         self.store = store
+        # Optional: decode steps replayed through mx.compile (engine.compiled_decode).
+        self.compiled = CompiledDecode(model, store) if compile_decode else None
 
     def _caches(self, seqs: list[SequenceKV], lengths: list[int] | None = None) -> list[KiviLayerCache]:
         return [KiviLayerCache(self.store, layer, seqs, lengths) for layer in range(self.store.num_layers)]
@@ -53,8 +56,12 @@ class ModelRunner:
             [B, V] logits.
         """
         batch = self.store.begin_decode(seqs)
-        caches = [KiviLayerCache(self.store, layer, seqs, batch=batch) for layer in range(self.store.num_layers)]
         ids = tokens[:, None] if isinstance(tokens, mx.array) else mx.array([[t] for t in tokens])
+        if self.compiled is not None:
+            logits = self.compiled(batch, ids)
+            if logits is not None:
+                return logits
+        caches = [KiviLayerCache(self.store, layer, seqs, batch=batch) for layer in range(self.store.num_layers)]
         logits = self.model(ids, cache=caches)
         return logits[:, -1]
 

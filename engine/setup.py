@@ -26,7 +26,8 @@ KV_BITS_CHOICES = (2, 4, 8, 16)  # 16 = mlx-lm's plain fp16 cache
 
 def build_engine(model: Any, tokenizer: Any, *, kv_bits: int = 4, kv_group_size: int = 32,
                  kv_residual: int = 128, kv_flush_blocks: int = 1, kv_memory: int | None = None,
-                 max_sequences: int = 32, max_batch_tokens: int = 1024) -> Engine | SerialEngine:
+                 max_sequences: int = 32, max_batch_tokens: int = 1024,
+                 compile_decode: bool = False, pipeline: bool = False) -> Engine | SerialEngine:
     """The continuous-batching engine over a KIVI store, or for ``kv_bits=16``
     the serial engine on mlx-lm's own fp16 cache (token-exact with mlx-lm).
 
@@ -39,6 +40,9 @@ def build_engine(model: Any, tokenizer: Any, *, kv_bits: int = 4, kv_group_size:
         kv_memory: byte budget of the KV store (default: a quarter of device memory).
         max_sequences: sequences the store holds at once.
         max_batch_tokens: tokens fed to the model per step (decode + prefill).
+        compile_decode: replay decode steps through mx.compile (KIVI engine only).
+        pipeline: build decode step n+1 while step n runs (KIVI engine only;
+            a step's events come out one step later).
     """
     if kv_bits not in KV_BITS_CHOICES:
         raise ValueError(f"kv_bits must be one of {KV_BITS_CHOICES}, got {kv_bits}")
@@ -46,4 +50,5 @@ def build_engine(model: Any, tokenizer: Any, *, kv_bits: int = 4, kv_group_size:
         return SerialEngine(model, tokenizer)
     store = make_store(model, KVConfig(kv_bits, kv_group_size, kv_residual, kv_flush_blocks), kv_memory=kv_memory,
                        max_sequences=max_sequences, context=context_length(model))
-    return Engine(model, tokenizer, store, max_batch_tokens=max_batch_tokens)
+    return Engine(model, tokenizer, store, max_batch_tokens=max_batch_tokens, compile_decode=compile_decode,
+                  pipeline=pipeline)

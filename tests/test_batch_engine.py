@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from engine import Engine, Request, SamplingParams
 from engine.kivi_cache import attention_shape, install_attention_hook, model_dtype
@@ -17,12 +18,12 @@ TEXT = ("The old lighthouse keeper climbed the spiral stairs every evening, coun
 
 
 def make_engine(model, tok, *, blocks=256, slots=16, reserve_tokens=64, max_batch_tokens=256,
-                pipeline=True, config=KV) -> Engine:
+                pipeline=True, config=KV, compile_decode=False) -> Engine:
     install_attention_hook()
     layers, h_kv, d = attention_shape(model)
     store = KiviStore(layers, h_kv, d, config=config, num_blocks=blocks, num_slots=slots, dtype=model_dtype(model))
     return Engine(model, tok, store, max_batch_tokens=max_batch_tokens, reserve_tokens=reserve_tokens,
-                  pipeline=pipeline)
+                  pipeline=pipeline, compile_decode=compile_decode)
 
 
 def prompts(tok, n):
@@ -58,6 +59,78 @@ def test_batch_equals_single_with_multi_block_flushes(smollm2):
         assert batched[req.request_id] == run(make_engine(model, tok, config=config), [req])[req.request_id]
 
 
+def _drive(engine, pending, abort=("g0", 14)):
+    """Feed a request every 3 steps, abort one mid-run; every request's
+    (tokens, text, finish reason)."""
+    out, step = {}, 0
+    while pending or engine.has_work():
+        if pending and step % 3 == 0:
+            engine.add(pending.pop(0))
+        if step == abort[1]:
+            engine.abort(abort[0])
+        for ev in engine.step():
+            assert ev.finish_reason != "error", ev.error
+            tokens, text, reason = out.get(ev.request_id, ([], "", None))
+            out[ev.request_id] = (tokens + ev.token_ids, text + ev.text, ev.finish_reason or reason)
+        step += 1
+    assert engine.kv_store.used_bytes() == 0
+    return out
+
+
+def _mixed_requests(ps):
+    return [Request("g0", ps[0], 20), Request("g1", ps[1], 9),
+            Request("s", ps[2], 16, SamplingParams(temperature=0.8, top_k=40, seed=11)),
+            Request("t", ps[3], 24, SamplingParams(temperature=0.7, min_p=0.05, seed=5)),
+            Request("stop", ps[4], 30, stop=["the"]),
+            Request("late", ps[5], 12)]
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_compiled_decode_equals_plain(smollm2, pipeline):
+    """Decode steps replayed through mx.compile (engine.compiled_decode) give the
+    same events as steps built op by op: greedy, seeded, stop-string and aborted
+    requests joining and leaving (the batch size changes), tails flushing and
+    block tables widening (retraces), with and without pipelining."""
+    model, tok = smollm2
+    ps = prompts(tok, 6)
+    # One long request: its block table widens every G = 16 tokens, well after the others left.
+    reqs = lambda: _mixed_requests(ps) + [Request("long", ps[1], 70)]
+    plain = _drive(make_engine(model, tok, pipeline=False), reqs(), abort=("g1", 5))
+    engine = make_engine(model, tok, pipeline=pipeline, compile_decode=True)
+    compiled = _drive(engine, reqs(), abort=("g1", 5))
+    if pipeline:  # an abort drops a draw still in flight (as in the test above)
+        assert plain["g1"][0][: len(compiled["g1"][0])] == compiled["g1"][0]
+        del plain["g1"], compiled["g1"]
+    assert compiled == plain
+    stats = engine.runner.compiled.stats
+    assert stats["compiled"] > 40 and stats["traces"] >= 4, stats
+
+
+def test_compiled_decode_updates_the_pool_in_place(smollm2):
+    """Compiled steps (the trace and the replays) still write the tails in place:
+    a step allocates the same whatever the pool's size (a copy of the tails would
+    be ~1 GiB here)."""
+    model, tok = smollm2
+
+    def worst_step_peak(slots):
+        engine = make_engine(model, tok, slots=slots, pipeline=False, compile_decode=True)
+        engine.add(Request("r", prompts(tok, 1)[0], 12))
+        engine.step()  # the prefill
+        peaks = []
+        for _ in range(5):  # a plain step, the trace, replays
+            mx.synchronize()
+            base = mx.get_active_memory()
+            mx.reset_peak_memory()
+            engine.step()
+            mx.synchronize()
+            peaks.append(mx.get_peak_memory() - base)
+        assert engine.runner.compiled.stats["compiled"] >= 3
+        return max(peaks)
+
+    small, large = worst_step_peak(2), worst_step_peak(512)  # tails: 18 MiB per array at 512 slots
+    assert large < small + (1 << 20), (small, large)
+
+
 def test_pipelined_decode_equals_step_by_step(smollm2):
     """Overlapping a step's device work with the next step's graph building changes
     no token: greedy, seeded and stop-string requests joining, ending and aborted
@@ -66,26 +139,10 @@ def test_pipelined_decode_equals_step_by_step(smollm2):
     ps = prompts(tok, 6)
 
     def reqs():
-        return [Request("g0", ps[0], 20), Request("g1", ps[1], 9),
-                Request("s", ps[2], 16, SamplingParams(temperature=0.8, top_k=40, seed=11)),
-                Request("t", ps[3], 24, SamplingParams(temperature=0.7, min_p=0.05, seed=5)),
-                Request("stop", ps[4], 30, stop=["the"]),
-                Request("late", ps[5], 12)]
+        return _mixed_requests(ps)
 
     def drive(engine):
-        out, step, pending = {}, 0, reqs()
-        while pending or engine.has_work():
-            if pending and step % 3 == 0:
-                engine.add(pending.pop(0))
-            if step == 14:
-                engine.abort("g0")
-            for ev in engine.step():
-                assert ev.finish_reason != "error", ev.error
-                tokens, text, reason = out.get(ev.request_id, ([], "", None))
-                out[ev.request_id] = (tokens + ev.token_ids, text + ev.text, ev.finish_reason or reason)
-            step += 1
-        assert engine.kv_store.used_bytes() == 0
-        return out
+        return _drive(engine, reqs())
 
     plain = make_engine(model, tok, pipeline=False)
     piped = make_engine(model, tok, pipeline=True)

@@ -33,10 +33,10 @@ def gpu_model():
     return load(os.environ.get("KIVIQ_GPU_MODEL"))
 
 
-def generate(model, tok, requests, *, bits, join_every=0):
+def generate(model, tok, requests, *, bits, join_every=0, **options):
     from engine import build_engine
 
-    engine = build_engine(model, tok, kv_bits=bits, kv_memory=2 << 30, max_sequences=16)
+    engine = build_engine(model, tok, kv_bits=bits, kv_memory=2 << 30, max_sequences=16, **options)
     out = run_engine(engine, requests, join_every)
     assert engine.kv_store.used_bytes() == 0
     return out
@@ -66,3 +66,16 @@ def test_batch_equals_single_with_kernel(gpu_model):
     batched = generate(model, tok, reqs(), bits=4, join_every=3)
     for r in reqs():
         assert batched[r.request_id] == generate(model, tok, [r], bits=4)[r.request_id], r.request_id
+
+
+def test_compiled_pipelined_decode_equals_plain_with_kernel(gpu_model):
+    """Decode steps through mx.compile (engine.compiled_decode), pipelined, with the
+    kernels inside the compiled graph: the same tokens as plain steps, with
+    requests joining and leaving and block tables widening (retraces)."""
+    from engine import Request
+
+    model, tok = gpu_model
+    ids = tok.encode(PROSE)
+    reqs = lambda: [Request(f"r{i}", ids[i * 97: i * 97 + 200 + 150 * i], 40 + 4 * i) for i in range(8)]
+    plain = generate(model, tok, reqs(), bits=4, join_every=3)
+    assert generate(model, tok, reqs(), bits=4, join_every=3, compile_decode=True, pipeline=True) == plain

@@ -53,6 +53,26 @@ def test_results_match_mlx_lm_and_stream(start_worker, redis_url, smollm2):
     assert events[-1].type.value == "done"
 
 
+def test_compiled_pipelined_worker_matches_the_plain_engine(start_worker, redis_url, smollm2):
+    """`kiviq worker --compile-decode --pipeline-decode` returns exactly the tokens of
+    the default KIVI engine run in this process, step by step and uncompiled."""
+    from engine import build_engine
+    from engine_runs import run_engine
+    from jobs.models import GenerateRequest
+    from worker.prompts import build_request
+
+    proc = start_worker("--compile-decode", "--pipeline-decode")
+    model, tokenizer = smollm2
+    client = Client(redis_url)
+    handles = [client.submit(prompt=p, max_tokens=MAX_TOKENS) for p in PROMPTS]
+    requests = [build_request(str(i), GenerateRequest(prompt=p, max_tokens=MAX_TOKENS), tokenizer, 8192)
+                for i, p in enumerate(PROMPTS)]
+    expected = run_engine(build_engine(model, tokenizer), requests)
+    for i, handle in enumerate(handles):
+        assert handle.result(timeout=300).token_ids == expected[str(i)], PROMPTS[i]
+    assert "decode steps compiled, decode steps pipelined" in proc.log_path.read_text()
+
+
 def test_chat_capital_of_france_with_kivi_4bit(worker_process, redis_url):
     """The default worker (KIVI 4-bit KV cache) answers correctly."""
     handle = Client(redis_url).submit(

@@ -1,0 +1,81 @@
+"""The batched decode forward through ``mx.compile``, with the KV pools as
+explicit state.
+
+Why: at small batches a decode step is host-bound. Building the step's graph
+op by op in Python (the model, then per layer the tail writes and the
+attention launches) took 5.5 ms of a ~10 ms B=1 step on the H200
+(docs/benchmarks.md, session 6); a compiled function replays a recorded
+graph instead, and fuses chains of elementwise ops.
+
+What a compiled step may depend on: everything that differs between steps
+must be an input. Here that is the tokens, the RoPE offsets, the step's
+int32 metadata (block tables, lengths, slots, write indices) and every
+layer's pool arrays, which come back as outputs (the tail writes are scatters
+into them; updated in place as in the plain path, since the store drops the
+old arrays before the step is evaluated). The attention's launch plan is made
+from shapes alone (``kernels.kivi_cuda.split_plan``), so it is fixed for a
+trace; ``mx.compile`` retraces whenever an input's shape changes, i.e. when
+the batch size or the block-table width changes.
+
+A trace costs a plain build plus the compile passes, so a shape is only
+compiled once it repeats: the first step of a new (batch size, table width)
+runs plain, the second traces, later ones replay. At B=1 the table widens
+every G tokens: one plain step and one trace per G steps. Only the latest
+shape's function is kept (a step with a new shape drops it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from engine.kivi_cache import KiviLayerCache
+from engine.kv_store import DecodeBatch, KiviStore
+
+
+class CompiledDecode:
+    """``__call__(batch, ids)`` -> [B, V] logits, or None when this step
+    should run plain (its shape has not repeated yet)."""
+
+    def __init__(self, model: Any, store: KiviStore):
+        self.model, self.store = model, store
+        self._key: tuple[int, int] | None = None
+        self._fn = None
+        self.stats = {"plain": 0, "compiled": 0, "traces": 0}
+
+    def __call__(self, batch: DecodeBatch, ids: mx.array) -> mx.array | None:
+        key = (ids.shape[0], batch.block_tables.shape[1])
+        if key != self._key:
+            self._key, self._fn = key, None
+            self.stats["plain"] += 1
+            return None
+        if self._fn is None:
+            self._fn = mx.compile(self._forward)
+            self.stats["traces"] += 1
+        self.stats["compiled"] += 1
+        offsets = batch.offsets
+        if not isinstance(offsets, mx.array):  # B = 1: a Python int would be traced as a constant
+            offsets = mx.array([offsets], dtype=mx.int32)
+        pools = self.store.pools
+        width = len(pools[0])
+        outs = self._fn(ids, offsets, batch.block_tables, batch.num_blocks, batch.slots, batch.tail_lens,
+                        *batch.write_index, *(a for pool in pools for a in pool))
+        # Replace the pools before anything is evaluated: the old arrays are then
+        # referenced by the step's scatters alone, which can update them in place.
+        for layer in range(len(pools)):
+            pools[layer] = type(pools[layer])(*outs[1 + layer * width: 1 + (layer + 1) * width])
+        return outs[0]
+
+    def _forward(self, ids, offsets, block_tables, num_blocks, slots, tail_lens, w_slot, w_head, w_pos, *state):
+        """The traced step: the model over the store, on stand-in pools."""
+        store = self.store
+        width = len(store.pools[0])
+        pools = [type(p)(*state[i * width:(i + 1) * width]) for i, p in enumerate(store.pools)]
+        batch = DecodeBatch(None, slots=slots, block_tables=block_tables, num_blocks=num_blocks,
+                            tail_lens=tail_lens, offsets=offsets, write_index=(w_slot, w_head, w_pos))
+        with store.using_pools(pools):
+            caches = [KiviLayerCache(store, layer, [], batch=batch) for layer in range(store.num_layers)]
+            logits = self.model(ids, cache=caches)[:, -1]
+        # The writes replaced the stand-ins' arrays (scatter assignment): return them.
+        return [logits, *(a for pool in pools for a in pool)]
