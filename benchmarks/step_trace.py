@@ -119,7 +119,8 @@ def make_model(args):
 class Arm:
     """One configuration under test, from ``--arm NAME[,KEY=VALUE...]``: kiviq
     (keys ``flush_blocks``, ``flush`` = gather or fused, ``bits``, ``pipeline``,
-    ``compile``: decode steps through mx.compile, engine.compiled_decode),
+    ``compile``: decode steps through mx.compile, engine.compiled_decode,
+    ``table``: KiviStore.table_width_multiple),
     mlxlm (key ``pipeline``: mlx-lm's own ``generate_step``, which builds step
     n+1 while step n runs, as ``stream_generate`` does) or batchgen. A step runs
     one decode step of every sequence; ``history`` holds every sequence's tokens
@@ -135,11 +136,11 @@ class Arm:
         name, *pairs = spec.split(",")
         self.spec, self.name = spec, name
         self.opts = dict(p.split("=", 1) for p in pairs)
-        known = {"kiviq": {"flush_blocks", "flush", "bits", "pipeline", "compile"}, "mlxlm": {"pipeline"},
+        known = {"kiviq": {"flush_blocks", "flush", "bits", "pipeline", "compile", "table"}, "mlxlm": {"pipeline"},
                  "batchgen": set()}
         if name not in known or set(self.opts) - known[name]:
             raise SystemExit(f"--arm {spec}: expected kiviq[,flush_blocks=K][,flush=gather|fused][,bits=B]"
-                             "[,pipeline=1][,compile=1], mlxlm[,pipeline=1] or batchgen")
+                             "[,pipeline=1][,compile=1][,table=N], mlxlm[,pipeline=1] or batchgen")
         self.pipelined = self.opts.get("pipeline", "0") == "1"
         self.env = {kivi_cuda.FLUSH_KERNEL_ENV: self.opts["flush"]} if "flush" in self.opts else {}
         self.flushes: list[int] = []
@@ -152,7 +153,8 @@ class Arm:
                 self._step = engine_steps(args, model, prompts, self.flushes, self.history,
                                           bits=int(self.opts.get("bits", args.bits)),
                                           flush_blocks=int(self.opts.get("flush_blocks", args.flush_blocks)),
-                                          pipeline=self.pipelined, compile_decode=self.opts.get("compile") == "1")
+                                          pipeline=self.pipelined, compile_decode=self.opts.get("compile") == "1",
+                                          table_width_multiple=int(self.opts.get("table", 1)))
             elif self.name == "mlxlm":
                 self._step = mlxlm_steps(args, model, prompts, self.history, pipeline=self.pipelined)
             else:
@@ -189,13 +191,14 @@ class Arm:
 
 
 def engine_steps(args, model, prompts, flushes: list[int], history: list[list[int]], *, bits: int,
-                 flush_blocks: int, pipeline: bool, compile_decode: bool):
+                 flush_blocks: int, pipeline: bool, compile_decode: bool, table_width_multiple: int):
     """kiviq's engine, prefilled and warmed up: returns one step. ``flushes``
     gets the number of flushing tails of every timed flush; ``history`` each
     sequence's tokens (a pipelined engine emits a step's tokens one step late)."""
     engine = prefilled_engine(model, IdTokenizer(), prompts, args.warmup + args.rounds * args.steps + 2,
                               bits=bits, flush_blocks=flush_blocks, compile_decode=compile_decode)
     engine.pipeline = pipeline
+    engine.kv_store.table_width_multiple = table_width_multiple
     history += [list(engine._seqs[str(i)].generated) for i in range(len(prompts))]
     # Count this engine's flushes while its own step runs (arms built later wrap
     # this wrapper; each counts only during its own steps).

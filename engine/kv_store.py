@@ -103,7 +103,8 @@ class DecodeBatch:
     ``KiviStore.begin_decode``; every int array is int32).
 
     Shapes: slots, num_blocks, tail_lens [B];
-    block_tables [B, max(1, max num_blocks)].
+    block_tables [B, W], W = max(1, max num_blocks) rounded up to the store's
+    ``table_width_multiple``.
     """
 
     seqs: list[SequenceKV]
@@ -157,6 +158,13 @@ class KiviStore:
         # one gather of rows (a nested list -> array costs ~100 us at B=32, 4k).
         self._tables = np.zeros((num_slots, min(num_blocks, 64)), dtype=np.int32)
         self.num_blocks, self.num_slots = num_blocks, num_slots
+        # Decode block tables are this many columns wide, rounded up (1: exactly
+        # the longest sequence's blocks). A compiled decode step is retraced
+        # whenever the width changes (engine.compiled_decode), i.e. every G
+        # tokens of the longest sequence at width multiple 1; columns past a
+        # sequence's blocks are never read. For A/B runs (benchmarks/step_trace.py
+        # --arm kiviq,table=N): a wider table also changes the kernel's split plan.
+        self.table_width_multiple = 1
         p0 = self.pools[0]
         self.block_bytes = num_layers * sum(a.nbytes // num_blocks for a in p0[:6])
         self.slot_bytes = num_layers * (p0.tail_k.nbytes + p0.tail_v.nbytes) // num_slots
@@ -214,9 +222,13 @@ class KiviStore:
         return seq.block_ids[index]
 
     def _block_tables(self, seqs: list[SequenceKV], num_blocks: list[int]) -> mx.array:
-        """int32 [B, max(1, max num_blocks)]: each sequence's block ids, zeros after."""
-        width = max(1, max(num_blocks))
-        return mx.array(self._tables[[s.slot for s in seqs], :width])
+        """int32 [B, W] (see DecodeBatch): each sequence's block ids, zeros after."""
+        m = self.table_width_multiple
+        width = -(-max(1, max(num_blocks)) // m) * m
+        rows = self._tables[[s.slot for s in seqs], :width]
+        if rows.shape[1] < width:
+            rows = np.pad(rows, ((0, 0), (0, width - rows.shape[1])))
+        return mx.array(rows)
 
     # ---- writes ----------------------------------------------------------
 

@@ -334,3 +334,18 @@ def test_prefill_token_count_includes_every_chunk(smollm2):
     run(engine, [Request(f"r{i}", p, max_tokens=2) for i, p in enumerate(ps)])
     assert engine.stats["preemptions"] == 0
     assert engine.stats["prefill_tokens"] == sum(map(len, ps))
+
+
+def test_wider_block_tables_change_no_token(smollm2):
+    """KiviStore.table_width_multiple pads the decode block tables (fewer retraces of
+    a compiled step); the padding columns are never read, so every request gets the
+    same tokens, compiled or not."""
+    model, tok = smollm2
+    ps = prompts(tok, 4)
+    reqs = lambda: [Request(f"r{i}", ps[i], 20 + 5 * i) for i in range(4)]
+    plain = run(make_engine(model, tok, pipeline=False), reqs(), join_every=2)
+    for compile_decode in (False, True):
+        engine = make_engine(model, tok, pipeline=False, compile_decode=compile_decode)
+        engine.kv_store.table_width_multiple = 8
+        assert run(engine, reqs(), join_every=2) == plain
+    assert engine.runner.compiled.stats["compiled"] > 20
