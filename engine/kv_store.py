@@ -20,7 +20,6 @@ each layer only scatters its new token and runs its attention.
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass, field
 
 import mlx.core as mx
