@@ -34,6 +34,20 @@ def mib(n: int | float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def kv_budget(model, bits: int, tokens: list[int], flush_blocks: int = 1, slack_blocks: int = 0) -> int:
+    """KV bytes kiviq's store (default G and R) needs for sequences of these
+    token counts at this bit width: a tail slot each, and ceil(n / G) +
+    ``slack_blocks`` blocks each (a pool sized to the run, not to the device)."""
+    from engine.kivi_cache import attention_shape, model_dtype
+    from engine.kv_store import KiviStore, KVConfig
+
+    layers, kv_heads, head_dim = attention_shape(model)
+    probe = KiviStore(layers, kv_heads, head_dim, config=KVConfig(bits, flush_blocks=flush_blocks), num_blocks=1,
+                      num_slots=1, dtype=model_dtype(model))
+    g = probe.config.group_size
+    return sum(probe.slot_bytes + (-(-n // g) + slack_blocks) * probe.block_bytes for n in tokens)
+
+
 def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bits: int,
                      kv_bytes: int | None = None, flush_blocks: int = 1, compile_decode: bool = False):
     """kiviq's engine with every prompt added and prefilled (no decode step yet).
@@ -52,20 +66,13 @@ def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bi
         SystemExit: the budget did not hold the batch (a preemption).
     """
     from engine import Request, build_engine
-    from engine.kivi_cache import attention_shape, model_dtype
-    from engine.kv_store import KiviStore, KVConfig
 
     b, prompt_tokens = len(prompts), sum(map(len, prompts))
     budget = 1 << 16  # tokens per engine step
     gen += b + prompt_tokens // budget + 1
     if kv_bytes is None:
-        layers, kv_heads, head_dim = attention_shape(model)
-        config = KVConfig(bits, flush_blocks=flush_blocks)
-        probe = KiviStore(layers, kv_heads, head_dim, config=config, num_blocks=1, num_slots=1,
-                          dtype=model_dtype(model))
         room = max(gen, 64)  # admission asks for the engine's default 64-token reserve
-        blocks = sum(-(-(len(p) + room) // config.group_size) + 1 for p in prompts)
-        kv_bytes = blocks * probe.block_bytes + b * probe.slot_bytes
+        kv_bytes = kv_budget(model, bits, [len(p) + room for p in prompts], flush_blocks, slack_blocks=1)
     engine = build_engine(model, tokenizer, kv_bits=bits, kv_flush_blocks=flush_blocks, max_sequences=b,
                           kv_memory=kv_bytes, max_batch_tokens=budget, compile_decode=compile_decode)
     for i, p in enumerate(prompts):

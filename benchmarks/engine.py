@@ -24,9 +24,9 @@ import mlx.nn as nn  # noqa: E402
 from mlx_lm.generate import BatchGenerator, generate_step  # noqa: E402
 from mlx_lm.utils import _get_classes  # noqa: E402
 
+from benchmarks.common import kv_budget  # noqa: E402
 from engine import Request, build_engine  # noqa: E402
-from engine.kivi_cache import attention_shape, model_dtype  # noqa: E402
-from engine.kv_store import KiviStore, KVConfig  # noqa: E402
+from engine.kivi_cache import attention_shape  # noqa: E402
 
 SHAPES = {
     "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,
@@ -72,13 +72,9 @@ def random_model(shape: str, dtype, quantize: int | None):
 
 def kivi_budget(model, bits: int, batch: int, tokens: int, flush_blocks: int = 1) -> int:
     """KV bytes B sequences of `tokens` tokens need in kiviq's store (tails + blocks,
-    plus the scheduler's reserve), so the pool is sized to the run, not to 64 GiB."""
-    layers, n_kv, head_dim = attention_shape(model)
-    probe = KiviStore(layers, n_kv, head_dim, config=KVConfig(bits, flush_blocks=flush_blocks), num_blocks=1,
-                      num_slots=1,
-                      dtype=model_dtype(model))
-    blocks = -(-(tokens + 64) // probe.config.group_size)
-    return batch * (probe.slot_bytes + blocks * probe.block_bytes) + (64 << 20)
+    plus the scheduler's 64-token reserve and 64 MiB), so the pool is sized to the
+    run, not to 64 GiB."""
+    return kv_budget(model, bits, [tokens + 64] * batch, flush_blocks) + (64 << 20)
 
 
 def fp16_cache_bytes(model, batch: int, tokens: int) -> int:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import hashlib
 import json
 import os
@@ -46,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -160,18 +160,9 @@ class Arm:
             else:
                 self._step = batchgen_steps(args, model, prompts, self.history)
 
-    @contextlib.contextmanager
     def environment(self):
-        saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        """This arm's environment variables while it builds and steps."""
+        return mock.patch.dict(os.environ, self.env)
 
     def timed_steps(self, n: int) -> None:
         with self.environment():

@@ -249,11 +249,11 @@ class KiviStore:
         tokens, its oldest k*G become k quantized blocks. A long prompt is thus
         quantized at once, leaving R .. R + k*G - 1 tokens in the tail.
         """
-        g, r, kg = self.config.group_size, self.config.residual, self.config.flush_tokens
+        g = self.config.group_size
         pool = self.pools[layer]
         t_old, n_new = seq.tail_lens[layer], k.shape[1]
         total = t_old + n_new
-        n_flush = 0 if total < r + kg else (total - r) // kg * (kg // g)
+        n_flush = self.blocks_needed(total)  # the tail's tokens follow the same rule
         if n_flush == 0:
             pool.tail_k[seq.slot, :, t_old:total] = k.astype(pool.tail_k.dtype)
             pool.tail_v[seq.slot, :, t_old:total] = v.astype(pool.tail_v.dtype)

@@ -220,8 +220,9 @@ def flush_layers(
         raise ValueError(f"{kivi_cuda.FLUSH_KERNEL_ENV}={flush_kernel!r}: expected 'fused' or 'gather'")
     if kernel and mod is kivi_cuda and flush_kernel == "fused":
         # One launch per pool reads the tails through the slots and also returns
-        # them shifted; then only the scatters. The default on CUDA: B=32 steps
-        # 26.3 -> 19.3 ms mean, same tokens (docs/benchmarks.md, session 7).
+        # them shifted; then only the scatters (~17 ops per layer before). The
+        # default on CUDA: bit-identical to the gather path; its speed A/B was
+        # inconclusive (docs/benchmarks.md, session 7).
         outputs = [kivi_cuda.FLUSH_FUSED_KERNEL(**kivi_cuda.fused_flush_launch(
             pool, slots, bits=bits, group_size=g, blocks_per_slot=kb)) for pool in pools]
         mx.eval(outputs)  # every read of the pools, before any write (in place)
