@@ -49,7 +49,8 @@ def kv_budget(model, bits: int, tokens: list[int], flush_blocks: int = 1, slack_
 
 
 def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bits: int,
-                     kv_bytes: int | None = None, flush_blocks: int = 1, compile_decode: bool = False):
+                     kv_bytes: int | None = None, flush_blocks: int = 1, compile_decode: bool = False,
+                     pipeline: bool = False, max_sequences: int | None = None):
     """kiviq's engine with every prompt added and prefilled (no decode step yet).
 
     Args:
@@ -61,6 +62,9 @@ def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bi
             needs at this bit width, plus one block per sequence (a fixed budget
             that held only part of a large batch made the prefill loop preempt
             forever; a bf16-sized one held several engines' worth at 4 bits).
+        compile_decode, pipeline: as in ``engine.build_engine`` (off here: a
+            benchmark arm states what it runs).
+        max_sequences: the store's tails (default: one per prompt).
 
     Raises:
         SystemExit: the budget did not hold the batch (a preemption).
@@ -70,11 +74,14 @@ def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bi
     b, prompt_tokens = len(prompts), sum(map(len, prompts))
     budget = 1 << 16  # tokens per engine step
     gen += b + prompt_tokens // budget + 1
+    slots = max_sequences or b
     if kv_bytes is None:
         room = max(gen, 64)  # admission asks for the engine's default 64-token reserve
-        kv_bytes = kv_budget(model, bits, [len(p) + room for p in prompts], flush_blocks, slack_blocks=1)
-    engine = build_engine(model, tokenizer, kv_bits=bits, kv_flush_blocks=flush_blocks, max_sequences=b,
-                          kv_memory=kv_bytes, max_batch_tokens=budget, compile_decode=compile_decode)
+        kv_bytes = kv_budget(model, bits, [len(p) + room for p in prompts] + [0] * (slots - b), flush_blocks,
+                             slack_blocks=1)
+    engine = build_engine(model, tokenizer, kv_bits=bits, kv_flush_blocks=flush_blocks, max_sequences=slots,
+                          kv_memory=kv_bytes, max_batch_tokens=budget, compile_decode=compile_decode,
+                          pipeline=pipeline)
     for i, p in enumerate(prompts):
         engine.add(Request(str(i), p, gen))
     while engine.stats["prefill_tokens"] < prompt_tokens:

@@ -83,11 +83,13 @@ def fp16_cache_bytes(model, batch: int, tokens: int) -> int:
     return batch * tokens * layers * 2 * n_kv * head_dim * 2
 
 
-def run_kiviq(model, prompts, gen, bits, pipeline=False, flush_blocks=1):
+def run_kiviq(model, prompts, gen, bits, flush_blocks=1, plain=False):
+    """kiviq's engine as the worker builds it (compiled, pipelined decode steps);
+    ``plain``: neither (each step built op by op and waited for)."""
     budget = kivi_budget(model, bits, len(prompts), len(prompts[0]) + gen, flush_blocks)
     engine = build_engine(model, IdTokenizer(), kv_bits=bits, kv_flush_blocks=flush_blocks,
-                          max_sequences=len(prompts), kv_memory=budget, max_batch_tokens=8192)
-    engine.pipeline = pipeline
+                          max_sequences=len(prompts), kv_memory=budget, max_batch_tokens=8192,
+                          compile_decode=not plain, pipeline=not plain)
     out = {i: [] for i in range(len(prompts))}
     mx.synchronize()
     t0 = time.perf_counter()
@@ -167,8 +169,8 @@ def main() -> None:
                         "(named kiviq-<b>bit-k<K> for K != 1)")
     p.add_argument("--max-kv-gb", type=float, default=100.0,
                    help="skip an arm whose KV cache would need more than this")
-    p.add_argument("--pipelined-arm", action="store_true",
-                   help="also run kiviq 4-bit with decode pipelining on")
+    p.add_argument("--plain-arm", action="store_true",
+                   help="also run kiviq 4-bit with plain decode steps (not compiled, not pipelined)")
     p.add_argument("--arms", nargs="+", default=None,
                    help="subset of arms: batchgen kiviq-4bit kiviq-2bit single")
     args = p.parse_args()
@@ -186,8 +188,8 @@ def main() -> None:
             arms += [(f"kiviq-{k}bit" + (f"-k{fb}" if fb != 1 else ""),
                       (lambda k, fb: lambda ps: run_kiviq(model, ps, args.gen, k, flush_blocks=fb))(k, fb))
                      for k in args.bits for fb in args.flush_blocks]
-            if args.pipelined_arm:  # kiviq 4-bit with decode pipelining (Engine(pipeline=True))
-                arms.append(("kiviq-4bit-pipelined", lambda ps: run_kiviq(model, ps, args.gen, 4, pipeline=True)))
+            if args.plain_arm:
+                arms.append(("kiviq-4bit-plain", lambda ps: run_kiviq(model, ps, args.gen, 4, plain=True)))
             if b == 1:
                 arms.append(("mlx-lm single", lambda ps: run_single(model, ps[0], args.gen)))
             if args.arms:

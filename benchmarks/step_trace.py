@@ -120,7 +120,7 @@ class Arm:
     """One configuration under test, from ``--arm NAME[,KEY=VALUE...]``: kiviq
     (keys ``flush_blocks``, ``flush`` = gather or fused, ``bits``, ``pipeline``,
     ``compile``: decode steps through mx.compile, engine.compiled_decode,
-    ``table``: KiviStore.table_width_multiple),
+    ``table``: KiviStore.table_width_multiple, ``slots``: the store's tails),
     mlxlm (key ``pipeline``: mlx-lm's own ``generate_step``, which builds step
     n+1 while step n runs, as ``stream_generate`` does) or batchgen. A step runs
     one decode step of every sequence; ``history`` holds every sequence's tokens
@@ -136,15 +136,18 @@ class Arm:
         name, *pairs = spec.split(",")
         self.spec, self.name = spec, name
         self.opts = dict(p.split("=", 1) for p in pairs)
-        known = {"kiviq": {"flush_blocks", "flush", "bits", "pipeline", "compile", "table"}, "mlxlm": {"pipeline"},
+        known = {"kiviq": {"flush_blocks", "flush", "bits", "pipeline", "compile", "table", "slots"},
+                 "mlxlm": {"pipeline"},
                  "batchgen": set()}
         if name not in known or set(self.opts) - known[name]:
             raise SystemExit(f"--arm {spec}: expected kiviq[,flush_blocks=K][,flush=gather|fused][,bits=B]"
-                             "[,pipeline=1][,compile=1][,table=N], mlxlm[,pipeline=1] or batchgen")
+                             "[,pipeline=1][,compile=1][,table=N][,slots=N], mlxlm[,pipeline=1] or batchgen")
         self.pipelined = self.opts.get("pipeline", "0") == "1"
         self.env = {kivi_cuda.FLUSH_KERNEL_ENV: self.opts["flush"]} if "flush" in self.opts else {}
         self.flushes: list[int] = []
         self.times: list[float] = []
+        self.flushed: list[bool] = []  # per timed step: did a tail flush in it
+        self.peak_growth = 0  # bytes: the most any timed block's peak rose above its start
         self.history: list[list[int]] = []
 
     def build(self, args, model, prompts) -> None:
@@ -154,7 +157,8 @@ class Arm:
                                           bits=int(self.opts.get("bits", args.bits)),
                                           flush_blocks=int(self.opts.get("flush_blocks", args.flush_blocks)),
                                           pipeline=self.pipelined, compile_decode=self.opts.get("compile") == "1",
-                                          table_width_multiple=int(self.opts.get("table", 1)))
+                                          table_width_multiple=int(self.opts.get("table", 1)),
+                                          slots=int(self.opts["slots"]) if "slots" in self.opts else None)
             elif self.name == "mlxlm":
                 self._step = mlxlm_steps(args, model, prompts, self.history, pipeline=self.pipelined)
             else:
@@ -167,13 +171,20 @@ class Arm:
     def timed_steps(self, n: int) -> None:
         with self.environment():
             mx.synchronize()
+            base = mx.get_active_memory()
+            mx.reset_peak_memory()
             for _ in range(n):
+                flushes = len(self.flushes)
                 t0 = time.perf_counter()
                 self._step()
                 if not self.pipelined:
                     mx.synchronize()
                 self.times.append(time.perf_counter() - t0)
+                self.flushed.append(len(self.flushes) > flushes)
             mx.synchronize()
+            # Memory a step allocates beyond what it frees: a write that could not
+            # happen in place copies a whole layer's tails (or pool) transiently.
+            self.peak_growth = max(self.peak_growth, mx.get_peak_memory() - base)
 
     @property
     def label(self) -> str:
@@ -182,12 +193,17 @@ class Arm:
 
 
 def engine_steps(args, model, prompts, flushes: list[int], history: list[list[int]], *, bits: int,
-                 flush_blocks: int, pipeline: bool, compile_decode: bool, table_width_multiple: int):
+                 flush_blocks: int, pipeline: bool, compile_decode: bool, table_width_multiple: int,
+                 slots: int | None):
     """kiviq's engine, prefilled and warmed up: returns one step. ``flushes``
     gets the number of flushing tails of every timed flush; ``history`` each
-    sequence's tokens (a pipelined engine emits a step's tokens one step late)."""
+    sequence's tokens (a pipelined engine emits a step's tokens one step late).
+    ``slots``: the store's tails (default B); a worker holds ``--max-sequences``
+    (32) whatever the batch, and a write that cannot happen in place copies a
+    layer's tails whole."""
     engine = prefilled_engine(model, IdTokenizer(), prompts, args.warmup + args.rounds * args.steps + 2,
-                              bits=bits, flush_blocks=flush_blocks, compile_decode=compile_decode)
+                              bits=bits, flush_blocks=flush_blocks, compile_decode=compile_decode,
+                              max_sequences=slots)
     engine.pipeline = pipeline
     engine.kv_store.table_width_multiple = table_width_multiple
     history += [list(engine._seqs[str(i)].generated) for i in range(len(prompts))]
@@ -293,12 +309,16 @@ def report(arms: list[Arm], args) -> None:
         same = sum(a == b for a, b in pairs)
         digest = hashlib.sha1(repr(arm.history).encode()).hexdigest()[:10]
         flushed = (f"{len(arm.flushes)} ({sum(arm.flushes)} tails)" if arm.name == "kiviq" else "-")
+        split = [[t * 1e3 for t, f in zip(arm.times, arm.flushed) if f == want] for want in (True, False)]
+        split = " / ".join(f"{statistics.fmean(x):.2f}" if x else "-" for x in split)
         rows.append([arm.label, len(ms), f"{ms[0]:.2f} / {statistics.median(ms):.2f} / {mean:.2f} / {ms[-1]:.2f}",
-                     f"{args.batch / mean * 1e3:.0f}", flushed, f"{same} / {len(pairs)}", digest])
+                     f"{args.batch / mean * 1e3:.0f}", flushed, split, f"{arm.peak_growth / 2**20:.0f}",
+                     f"{same} / {len(pairs)}", digest])
     print(f"{args.shape}, {args.dtype}, B={args.batch}, context {args.context}, {args.rounds} round(s) of "
           f"{args.steps} steps per arm, arms interleaved (first arm rotating)\n")
     print(table(["arm", "steps", "step ms min / median / mean / max", "tok/s (mean)", "steps that flushed",
-                 "tokens = first arm's", "digest of all tokens"], rows))
+                 "mean ms: flushing / other steps", "peak MiB over start", "tokens = first arm's",
+                 "digest of all tokens"], rows))
 
 
 def main() -> None:

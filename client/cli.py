@@ -168,11 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "sequence flushes k times less often (tails hold (k-1)*G more tokens)")
     w.add_argument("--kv-memory", type=parse_bytes, default=None,
                    help="KV store budget, e.g. 2GiB (default: a quarter of device memory)")
-    w.add_argument("--compile-decode", action="store_true",
-                   help="replay decode steps through mx.compile (less host work per step; same tokens)")
-    w.add_argument("--pipeline-decode", action="store_true",
+    w.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay decode steps through mx.compile (less host work per step; same tokens; "
+                        "default on)")
+    w.add_argument("--pipeline-decode", action=argparse.BooleanOptionalAction, default=True,
                    help="build each decode step while the previous one runs on the device (same tokens; "
-                        "events one step later); fastest at small batches together with --compile-decode")
+                        "events one step later; default on)")
     w.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port)")
     w.add_argument("--metrics-host", default="127.0.0.1",

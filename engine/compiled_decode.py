@@ -22,12 +22,15 @@ compiled once it repeats: the first step of a new (batch size, table width)
 runs plain, the second traces, later ones replay. At B=1 the table widens
 every G tokens: one plain step and one trace per G steps (on the H200 the
 pair cost ~40 ms, ~1.4 ms per step of the mean at G=32);
-``KiviStore.table_width_multiple`` widens the table in larger steps. Only the
-latest shape's function is kept (a step with a new shape drops it).
+``KiviStore.table_width_multiple`` widens the table in larger steps (the
+engine's builder sets 32 columns when it compiles). The last ``MAX_SHAPES``
+traced shapes are kept: under continuous batching the batch size moves back
+and forth as sequences join and finish, and a shape seen again replays at once.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import mlx.core as mx
@@ -40,28 +43,35 @@ class CompiledDecode:
     """``__call__(batch, ids)`` -> [B, V] logits, or None when this step
     should run plain (its shape has not repeated yet)."""
 
+    MAX_SHAPES = 8  # traced (batch size, table width) shapes kept, least recently used dropped
+
     def __init__(self, model: Any, store: KiviStore):
         self.model, self.store = model, store
-        self._key: tuple[int, int] | None = None
-        self._fn = None
+        self._last: tuple[int, int] | None = None  # the previous step's shape
+        # One compiled function per shape: dropping a function frees its trace.
+        self._fns: OrderedDict[tuple[int, int], Any] = OrderedDict()
         self.stats = {"plain": 0, "compiled": 0, "traces": 0}
 
     def __call__(self, batch: DecodeBatch, ids: mx.array) -> mx.array | None:
         key = (ids.shape[0], batch.block_tables.shape[1])
-        if key != self._key:
-            self._key, self._fn = key, None
-            self.stats["plain"] += 1
-            return None
-        if self._fn is None:
-            self._fn = mx.compile(self._forward)
+        last, self._last = self._last, key
+        fn = self._fns.get(key)
+        if fn is None:
+            if key != last:  # not repeated (yet): a trace may never pay off
+                self.stats["plain"] += 1
+                return None
+            fn = self._fns[key] = mx.compile(self._forward)
             self.stats["traces"] += 1
+            if len(self._fns) > self.MAX_SHAPES:
+                self._fns.popitem(last=False)
+        self._fns.move_to_end(key)
         self.stats["compiled"] += 1
         offsets = batch.offsets
         if not isinstance(offsets, mx.array):  # B = 1: a Python int would be traced as a constant
             offsets = mx.array([offsets], dtype=mx.int32)
         pools = self.store.pools
         width = len(pools[0])
-        outs = self._fn(ids, offsets, batch.block_tables, batch.num_blocks, batch.slots, batch.tail_lens,
+        outs = fn(ids, offsets, batch.block_tables, batch.num_blocks, batch.slots, batch.tail_lens,
                         *batch.write_index, *(a for pool in pools for a in pool))
         # Replace the pools before anything is evaluated: the old arrays are then
         # referenced by the step's scatters alone, which can update them in place.

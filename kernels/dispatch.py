@@ -196,10 +196,12 @@ def flush_layers(
     one pass: the same launches and scatters as a one-block flush.
 
     The pools end bit-identical to calling `flush` on each. Every read of the pools
-    is evaluated first (the flushed tails' rows, gathered; with the fused kernel its
-    outputs); after that no pending op reads the pools, so the rest stays lazy and
-    the scatters still update the pools in place when the caller's next graph (a
-    decode step) is evaluated.
+    (the flushed tails' rows, gathered; with the fused kernel its outputs) is
+    started at once (`mx.async_eval`), the writes (scatters) are built meanwhile
+    and stay lazy, and the reads are finished before this returns
+    (`_finish_reads`): a write updates a pool in place only if, when it is
+    evaluated (with the caller's next graph, a decode step), no read of that
+    buffer is pending on the device; MLX copies the whole array otherwise.
     `use_kernel` as in `decode_attend`.
     """
     if not pools:
@@ -223,15 +225,22 @@ def flush_layers(
         # them shifted; then only the scatters (~17 ops per layer before). The
         # default on CUDA: bit-identical to the gather path; its speed A/B was
         # inconclusive (docs/benchmarks.md, session 7).
-        outputs = [kivi_cuda.FLUSH_FUSED_KERNEL(**kivi_cuda.fused_flush_launch(
-            pool, slots, bits=bits, group_size=g, blocks_per_slot=kb)) for pool in pools]
-        mx.eval(outputs)  # every read of the pools, before any write (in place)
+        # The launch is the same for every pool but its tails (same shapes).
+        launch = kivi_cuda.fused_flush_launch(pools[0], slots, bits=bits, group_size=g, blocks_per_slot=kb)
+        outputs = []
+        for pool in pools:
+            launch["inputs"] = [pool.tail_k, pool.tail_v, *launch["inputs"][2:]]
+            outputs.append(kivi_cuda.FLUSH_FUSED_KERNEL(**launch))
+        reads = [a for out in outputs for a in out]
+        mx.async_eval(reads)  # every read of the pools, before any write (in place)
         for pool, out in zip(pools, outputs):
             write_flushed(pool, slots, ids, *out[6:], out[:6])
+        _finish_reads(reads)
         return
     # rows: [F, H_kv, R + k*G, D] per pool and tail.
     rows = [(pool.tail_k[slots], pool.tail_v[slots]) for pool in pools]
-    mx.eval(rows)
+    reads = [a for pair in rows for a in pair]
+    mx.async_eval(reads)
     for pool, (rows_k, rows_v) in zip(pools, rows):
         # Each new block quantizes the first G rows of one entry: the slot's rows
         # themselves when k = 1, else its oldest k*G rows cut into k entries of G.
@@ -242,6 +251,21 @@ def flush_layers(
         else:
             quantized = quantize_flushed(pool, blocks_k, blocks_v, bits=bits, group_size=g)
         write_flushed(pool, slots, ids, shifted_tail(rows_k, kb * g), shifted_tail(rows_v, kb * g), quantized)
+    _finish_reads(reads)
+
+
+def _finish_reads(reads: list[mx.array]) -> None:
+    """Wait until ``reads`` are computed and the device has released every
+    buffer they read, so that writes into those buffers, evaluated after this,
+    happen in place.
+
+    `mx.eval` alone is not enough: the CUDA backend keeps a kernel's inputs
+    alive until a completion handler runs on another thread, which can come
+    after `eval` returns; `mx.synchronize` waits for the handlers too.
+    """
+    if reads:
+        mx.eval(reads)
+        mx.synchronize()
 
 
 def _entries(rows: mx.array, k: int, g: int) -> mx.array:

@@ -1156,6 +1156,11 @@ FLUSH_SOURCE = r"""
 # Reading the tails through `slots` and writing the shifted rows here replaces, per
 # layer, the two gathers and each tail's slice/zeros/concatenate: ~8 of a flush's ~17
 # graph nodes, and a flush ran in nearly every B = 32 step (step_trace --trace).
+# Grid y: the shifted rows in chunks of FLUSH_SHIFT_ROWS, one chunk per thread block,
+# loads issued before stores; the y = 0 blocks also quantize. One block walking all T
+# rows, one dependent load and store at a time, took ~170 us per layer at F = 1
+# (8 thread blocks on the whole GPU; session 8's trace): most of a B = 32 step's flush.
+FLUSH_SHIFT_ROWS = 8
 FLUSH_FUSED_SOURCE = r"""
   const int fh = blockIdx.x;  // (entry, kv head): the index of this block's outputs
   const int d = threadIdx.x;
@@ -1166,21 +1171,34 @@ FLUSH_FUSED_SOURCE = r"""
   const int f = e / K, blk = e % K;  // block blk of slot f's flush
   const size_t slot_rows = ((size_t)slots[f] * H_kv + h) * RG * D;
   if (blk == 0) {
+    constexpr int SR = KIVI_SHIFT_ROWS;
     const SD* tk = tail_k + slot_rows;
     const SD* tv = tail_v + slot_rows;
-    const size_t shift = (size_t)K * G * D;
+    const int from = K * G;
+    const int i0 = blockIdx.y * SR;
     const size_t out0 = ((size_t)f * H_kv + h) * RG * D;
-    for (int i = 0; i < RG; ++i) {
-      const size_t o = (size_t)i * D + d;
-      const bool kept = i + K * G < RG;
-      shifted_k[out0 + o] = kept ? tk[o + shift] : kivi_from_f<SD>(0.0f);
-      shifted_v[out0 + o] = kept ? tv[o + shift] : kivi_from_f<SD>(0.0f);
+    SD ks[SR], vs[SR];
+#pragma unroll
+    for (int r = 0; r < SR; ++r) {
+      const int i = i0 + r;
+      const bool kept = i + from < RG;
+      ks[r] = kept ? tk[(size_t)(i + from) * D + d] : kivi_from_f<SD>(0.0f);
+      vs[r] = kept ? tv[(size_t)(i + from) * D + d] : kivi_from_f<SD>(0.0f);
+    }
+#pragma unroll
+    for (int r = 0; r < SR; ++r) {
+      if (i0 + r < RG) {
+        shifted_k[out0 + (size_t)(i0 + r) * D + d] = ks[r];
+        shifted_v[out0 + (size_t)(i0 + r) * D + d] = vs[r];
+      }
     }
   }
-  kivi_flush_block<SD, D, G, BITS>(tail_k + slot_rows + (size_t)blk * G * D,
-                                   tail_v + slot_rows + (size_t)blk * G * D, fh, d,
-                                   k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros);
-"""
+  if (blockIdx.y == 0) {
+    kivi_flush_block<SD, D, G, BITS>(tail_k + slot_rows + (size_t)blk * G * D,
+                                     tail_v + slot_rows + (size_t)blk * G * D, fh, d,
+                                     k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros);
+  }
+""".replace("KIVI_SHIFT_ROWS", str(FLUSH_SHIFT_ROWS))
 
 POOL_NAMES = ("k_codes", "k_scales", "k_zeros", "v_codes", "v_scales", "v_zeros",
               "tail_k", "tail_v")
@@ -1484,6 +1502,7 @@ def fused_flush_launch(pool: KiviPool, slots: mx.array, *, bits, group_size, blo
     f, k = slots.shape[0], blocks_per_slot
     _, h_kv, rg, d = pool.tail_k.shape
     launch, template = _new_blocks_launch(pool, f * k, bits=bits, group_size=group_size)
+    launch["grid"] = (launch["grid"][0], -(-rg // FLUSH_SHIFT_ROWS), 1)  # y: chunks of shifted rows
     launch["output_shapes"] += [(f, h_kv, rg, d)] * 2  # the shifted tails
     launch["output_dtypes"] += [pool.tail_k.dtype] * 2
     return dict(inputs=[pool.tail_k, pool.tail_v, slots, _const((rg, h_kv, k), mx.int32)],

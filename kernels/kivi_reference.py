@@ -246,22 +246,26 @@ def check_flush_args(pool: KiviPool, slots, new_block_ids, tail_lens, *, bits: i
     check_layout(bits, g, d)
     if row * (8 // bits) != g:
         raise ValueError(f"pool was built for G={row * (8 // bits)}, not {g}")
-    slots = mx.array(slots).astype(mx.int32)
-    ids = mx.array(new_block_ids).astype(mx.int32)
-    f = slots.shape[0]
+    # Checked on host lists (a bad flush corrupts silently). The engine passes
+    # lists: reading device arrays back would wait for every queued step.
+    slot_list, id_list, lens = (_host_ints(x) for x in (slots, new_block_ids, tail_lens))
+    f = len(slot_list)
     if f == 0:
         return None
-    # A host sync, once per G decode steps: cheap, and a bad flush corrupts silently.
-    lens = mx.array(tail_lens).tolist()
-    if ids.shape[0] != f * kb or len(lens) != f:
+    if len(id_list) != f * kb or len(lens) != f:
         raise ValueError(f"slots and tail_lens must have the same length, and new_block_ids "
                          f"{kb} per slot")
     if min(lens) < kb * g:
         raise ValueError(f"every flushed tail needs >= G={g} tokens per block it flushes "
                          f"({kb} blocks), got {lens}")
-    if len(set(slots.tolist())) != f or len(set(ids.tolist())) != f * kb:
+    if len(set(slot_list)) != f or len(set(id_list)) != f * kb:
         raise ValueError("slots and new_block_ids must not repeat")
-    return slots, ids
+    return mx.array(slot_list, dtype=mx.int32), mx.array(id_list, dtype=mx.int32)
+
+
+def _host_ints(x) -> list[int]:
+    """A list, tuple or array of ints as a Python list."""
+    return x.tolist() if isinstance(x, mx.array) else [int(v) for v in x]
 
 
 

@@ -106,6 +106,33 @@ def test_compiled_decode_equals_plain(smollm2, pipeline):
     assert stats["compiled"] > 40 and stats["traces"] >= 4, stats
 
 
+def test_compiled_decode_replays_a_batch_size_seen_again(smollm2):
+    """Under continuous batching B moves back and forth (2 -> 1 -> 2 here, as a
+    sequence finishes and another joins): a shape traced before replays at once,
+    with no plain step and no new trace; the tokens are the plain engine's."""
+    model, tok = smollm2
+    ps = prompts(tok, 3)
+
+    def drive(engine):
+        engine.kv_store.table_width_multiple = 32  # one table width for the whole run
+        out = {}
+        engine.add(Request("a", ps[0], 40))
+        engine.add(Request("b", ps[1], 8))
+        step = 0
+        while engine.has_work():
+            if step == 14:
+                engine.add(Request("c", ps[2], 12))
+            for ev in engine.step():
+                out[ev.request_id] = out.get(ev.request_id, []) + ev.token_ids
+            step += 1
+        return out
+
+    compiled = make_engine(model, tok, pipeline=False, compile_decode=True)
+    assert drive(compiled) == drive(make_engine(model, tok, pipeline=False))
+    # (2, W) and (1, W) traced once each; B = 2 again after c joins replays.
+    assert compiled.runner.compiled.stats["traces"] == 2, compiled.runner.compiled.stats
+
+
 def test_compiled_decode_updates_the_pool_in_place(smollm2):
     """Compiled steps (the trace and the replays) still write the tails in place:
     a step allocates the same whatever the pool's size (a copy of the tails would

@@ -86,3 +86,33 @@ def test_compiled_pipelined_decode_equals_plain_with_kernel(gpu_model):
     # more than any table here has blocks, so every split is one block either way.
     assert generate(model, tok, reqs(), bits=4, join_every=3, compile_decode=True, pipeline=True,
                     table_width_multiple=32) == plain
+
+
+@pytest.mark.parametrize("pipeline,compiled", [(False, False), (True, False), (True, True)])
+def test_decode_steps_write_the_tails_in_place_with_kernel(gpu_model, pipeline, compiled):
+    """Steady decode steps, flushes included, allocate less than one layer's tail
+    array: a write evaluated while a read of the same buffer is still pending on
+    the device (a pipelined step in flight, a flush's own read) makes MLX copy
+    the whole array. 512 slots make each tail array ~30 MiB."""
+    import mlx.core as mx
+
+    from engine import Request, build_engine
+
+    model, tok = gpu_model
+    engine = build_engine(model, tok, kv_bits=4, kv_memory=2 << 30, max_sequences=512, pipeline=pipeline,
+                          compile_decode=compiled)
+    ids = tok.encode(PROSE)
+    for i in range(4):
+        engine.add(Request(f"r{i}", ids[i * 50: i * 50 + 300 + 7 * i], 200))
+    for _ in range(60):  # prefill, then decoding past a flush of each (kernels built)
+        engine.step()
+    tail = engine.kv_store.pools[0].tail_k.nbytes
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    for _ in range(64):  # every sequence flushes twice (G = 32)
+        engine.step()
+    mx.synchronize()
+    growth = mx.get_peak_memory() - base
+    assert engine.stats["pipelined_steps"] >= (100 if pipeline else 0)
+    assert growth < tail / 2, (growth, tail)

@@ -16,7 +16,7 @@ log = logging.getLogger("kiviq.worker")
 def run_worker(model: str | None = None, redis_url: str | None = None, *, burst: bool = False,
                max_active: int = 32, name: str | None = None, log_level: str = "INFO",
                kv_bits: int = 4, kv_group_size: int = 32, kv_residual: int = 128, kv_flush_blocks: int = 1,
-               kv_memory: int | None = None, compile_decode: bool = False, pipeline_decode: bool = False,
+               kv_memory: int | None = None, compile_decode: bool = True, pipeline_decode: bool = True,
                max_queued: int | None = None,
                grace_s: float = 30.0,
                metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> int:
