@@ -52,9 +52,9 @@ def build_engine(model: Any, tokenizer: Any, *, kv_bits: int = 4, kv_group_size:
             a step's events come out one step later).
 
     Compiling and pipelining are on by default: same tokens as plain steps
-    (tests, CPU and GPU), and on an H200 they took B=1 decode from 0.65x to
-    ~1x mlx-lm's ``stream_generate`` and made B=32 steps faster
-    (docs/benchmarks.md, sessions 7 and 8).
+    (tests, CPU and GPU), and on an H200 they took B=1 decode from 0.65-0.9x
+    to ~1x mlx-lm's ``stream_generate``; at B=32 the two were within their
+    run-to-run spread of each other (docs/benchmarks.md, sessions 7 and 8).
     """
     if kv_bits not in KV_BITS_CHOICES:
         raise ValueError(f"kv_bits must be one of {KV_BITS_CHOICES}, got {kv_bits}")
