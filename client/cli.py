@@ -168,9 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "sequence flushes k times less often (tails hold (k-1)*G more tokens)")
     w.add_argument("--kv-memory", type=parse_bytes, default=None,
                    help="KV store budget, e.g. 2GiB (default: a quarter of device memory)")
-    w.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=True,
+    w.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps through mx.compile (less host work per step; same tokens; "
-                        "default on)")
+                        "default: on where MLX runs on a GPU)")
     w.add_argument("--pipeline-decode", action=argparse.BooleanOptionalAction, default=True,
                    help="build each decode step while the previous one runs on the device (same tokens; "
                         "events one step later; default on)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
+
 from engine.batch_engine import Engine
 from engine.kivi_cache import make_store
 from engine.kv_store import KVConfig
@@ -32,7 +34,7 @@ COMPILED_TABLE_COLUMNS = 32
 def build_engine(model: Any, tokenizer: Any, *, kv_bits: int = 4, kv_group_size: int = 32,
                  kv_residual: int = 128, kv_flush_blocks: int = 1, kv_memory: int | None = None,
                  max_sequences: int = 32, max_batch_tokens: int = 1024,
-                 compile_decode: bool = True, pipeline: bool = True) -> Engine | SerialEngine:
+                 compile_decode: bool | None = None, pipeline: bool = True) -> Engine | SerialEngine:
     """The continuous-batching engine over a KIVI store, or for ``kv_bits=16``
     the serial engine on mlx-lm's own fp16 cache (token-exact with mlx-lm).
 
@@ -47,14 +49,17 @@ def build_engine(model: Any, tokenizer: Any, *, kv_bits: int = 4, kv_group_size:
         max_batch_tokens: tokens fed to the model per step (decode + prefill).
         compile_decode: replay decode steps through mx.compile (KIVI engine
             only); decode block tables are then padded to COMPILED_TABLE_COLUMNS
-            columns, so a step is retraced once per that many blocks.
+            columns, so a step is retraced once per that many blocks. None (the
+            default): where MLX computes on a GPU. On a CPU the traces cost more
+            than they save (the four-prompt demo on this 2-core machine: 6.0-6.8 s
+            compiled against 5.2-5.7 s plain).
         pipeline: build decode step n+1 while step n runs (KIVI engine only;
             a step's events come out one step later).
 
-    Compiling and pipelining are on by default: same tokens as plain steps
-    (tests, CPU and GPU), and on an H200 they took B=1 decode from 0.65-0.9x
-    to ~1x mlx-lm's ``stream_generate``; at B=32 the two were within their
-    run-to-run spread of each other (docs/benchmarks.md, sessions 7 and 8).
+    Compiling (on a GPU) and pipelining are on by default: same tokens as plain
+    steps (tests, CPU and GPU), and on an H200 they took B=1 decode from
+    0.65-0.9x to ~1x mlx-lm's ``stream_generate``; at B=32 the two were within
+    their run-to-run spread of each other (docs/benchmarks.md, sessions 7 and 8).
     """
     if kv_bits not in KV_BITS_CHOICES:
         raise ValueError(f"kv_bits must be one of {KV_BITS_CHOICES}, got {kv_bits}")
@@ -62,6 +67,8 @@ def build_engine(model: Any, tokenizer: Any, *, kv_bits: int = 4, kv_group_size:
         return SerialEngine(model, tokenizer)
     store = make_store(model, KVConfig(kv_bits, kv_group_size, kv_residual, kv_flush_blocks), kv_memory=kv_memory,
                        max_sequences=max_sequences, context=context_length(model))
+    if compile_decode is None:
+        compile_decode = mx.default_device() == mx.gpu
     if compile_decode:
         store.table_width_multiple = COMPILED_TABLE_COLUMNS
     return Engine(model, tokenizer, store, max_batch_tokens=max_batch_tokens, compile_decode=compile_decode,

@@ -106,6 +106,24 @@ def test_compiled_decode_equals_plain(smollm2, pipeline):
     assert stats["compiled"] > 40 and stats["traces"] >= 4, stats
 
 
+def test_build_engine_compiles_decode_steps_where_mlx_runs_on_a_gpu(smollm2):
+    """The worker's engine: pipelined everywhere, compiled by default only on a GPU
+    (on a CPU the traces cost more than they save); compile_decode=True forces it,
+    with block tables padded for fewer retraces."""
+    from engine import build_engine
+    from engine.setup import COMPILED_TABLE_COLUMNS
+
+    model, tok = smollm2
+    default = build_engine(model, tok, kv_memory=1 << 28, max_sequences=2)
+    assert default.pipeline
+    assert (default.runner.compiled is not None) == (mx.default_device() == mx.gpu)
+    forced = build_engine(model, tok, kv_memory=1 << 28, max_sequences=2, compile_decode=True, pipeline=False)
+    assert forced.runner.compiled is not None and not forced.pipeline
+    assert forced.kv_store.table_width_multiple == COMPILED_TABLE_COLUMNS
+    plain = build_engine(model, tok, kv_memory=1 << 28, max_sequences=2, compile_decode=False)
+    assert plain.runner.compiled is None and plain.kv_store.table_width_multiple == 1
+
+
 def test_compiled_decode_replays_a_batch_size_seen_again(smollm2):
     """Under continuous batching B moves back and forth (2 -> 1 -> 2 here, as a
     sequence finishes and another joins): a shape traced before replays at once,

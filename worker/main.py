@@ -16,7 +16,7 @@ log = logging.getLogger("kiviq.worker")
 def run_worker(model: str | None = None, redis_url: str | None = None, *, burst: bool = False,
                max_active: int = 32, name: str | None = None, log_level: str = "INFO",
                kv_bits: int = 4, kv_group_size: int = 32, kv_residual: int = 128, kv_flush_blocks: int = 1,
-               kv_memory: int | None = None, compile_decode: bool = True, pipeline_decode: bool = True,
+               kv_memory: int | None = None, compile_decode: bool | None = None, pipeline_decode: bool = True,
                max_queued: int | None = None,
                grace_s: float = 30.0,
                metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> int:
@@ -42,8 +42,9 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, burst:
     engine = build_engine(lm, tokenizer, kv_bits=kv_bits, kv_group_size=kv_group_size,
                           kv_residual=kv_residual, kv_flush_blocks=kv_flush_blocks, kv_memory=kv_memory,
                           max_sequences=max_active, compile_decode=compile_decode, pipeline=pipeline_decode)
+    compiled = getattr(getattr(engine, "runner", None), "compiled", None) is not None  # on a GPU by default
     log.info("KV cache: %s", "fp16" if kv_bits == 16 else f"KIVI {kv_bits}-bit, G={kv_group_size}, R={kv_residual}, "
-             f"{kv_flush_blocks} block(s) per flush" + (", decode steps compiled" if compile_decode else "")
+             f"{kv_flush_blocks} block(s) per flush" + (", decode steps compiled" if compiled else "")
              + (", decode steps pipelined" if pipeline_decode else ""))
     worker = BatchWorker(engine, connection, max_active=max_active, name=name, max_queued=max_queued,
                          grace_s=grace_s, metrics=metrics)
