@@ -9,13 +9,28 @@ import sys
 
 
 def machine() -> str:
-    """One line describing where a benchmark ran (CPU count, MLX backend, BLAS)."""
+    """One line describing where a benchmark ran (CPU model and count, MLX
+    backend, BLAS). The CPU model matters on a GPU too: kiviq's decode steps are
+    host-bound, and in session 8 the same GPU kind on four hosts gave B=32 ratios
+    against BatchGenerator from 2.35x to 3.74x."""
     import mlx.core as mx
 
     device = mx.default_device()
     blas = "OpenBLAS preloaded" if "openblas" in os.environ.get("LD_PRELOAD", "") else "MLX's bundled BLAS"
-    return (f"{platform.machine()} {os.cpu_count()}-core, {platform.system()}, mlx {mx.__version__} "
+    return (f"{platform.machine()} {os.cpu_count()}-core{_cpu_model()}, {platform.system()}, mlx {mx.__version__} "
             f"({device} backend), {blas}, Python {platform.python_version()}")
+
+
+def _cpu_model() -> str:
+    """' (model name)' from /proc/cpuinfo, or '' where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f" ({line.split(':', 1)[1].strip()})"
+    except OSError:
+        pass
+    return ""
 
 
 def command() -> str:

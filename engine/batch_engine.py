@@ -74,6 +74,9 @@ class Engine:
         pipeline: overlap steady decode steps (see below).
         compile_decode: replay decode steps through mx.compile
             (engine.compiled_decode); same tokens, less host work per step.
+
+    Both are off here, where every option is explicit; ``engine.build_engine``
+    (the worker's builder) turns pipelining on, and compiling on a GPU.
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, store: KiviStore, *,
