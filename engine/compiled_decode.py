@@ -72,7 +72,7 @@ class CompiledDecode:
         pools = self.store.pools
         width = len(pools[0])
         outs = fn(ids, offsets, batch.block_tables, batch.num_blocks, batch.slots, batch.tail_lens,
-                        *batch.write_index, *(a for pool in pools for a in pool))
+                  *batch.write_index, *(a for pool in pools for a in pool))
         # Replace the pools before anything is evaluated: the old arrays are then
         # referenced by the step's scatters alone, which can update them in place.
         for layer in range(len(pools)):

@@ -223,14 +223,12 @@ def flush_layers(
     if kernel and mod is kivi_cuda and flush_kernel == "fused":
         # One launch per pool reads the tails through the slots and also returns
         # them shifted; then only the scatters (~17 ops per layer before). The
-        # default on CUDA: bit-identical to the gather path; its speed A/B was
-        # inconclusive (docs/benchmarks.md, session 7).
-        # The launch is the same for every pool but its tails (same shapes).
+        # default on CUDA: bit-identical to the gather path. The launch is the
+        # same for every pool (same shapes) but for its two tails.
         launch = kivi_cuda.fused_flush_launch(pools[0], slots, bits=bits, group_size=g, blocks_per_slot=kb)
-        outputs = []
-        for pool in pools:
-            launch["inputs"] = [pool.tail_k, pool.tail_v, *launch["inputs"][2:]]
-            outputs.append(kivi_cuda.FLUSH_FUSED_KERNEL(**launch))
+        rest = launch.pop("inputs")[2:]  # slots, params
+        outputs = [kivi_cuda.FLUSH_FUSED_KERNEL(inputs=[pool.tail_k, pool.tail_v, *rest], **launch)
+                   for pool in pools]
         reads = [a for out in outputs for a in out]
         mx.async_eval(reads)  # every read of the pools, before any write (in place)
         for pool, out in zip(pools, outputs):
