@@ -38,9 +38,15 @@ from kernels import kivi_cuda  # noqa: E402
 
 
 def load_base(rev: str):
-    """`kernels/kivi_cuda.py` at `rev` as a module with renamed kernels."""
-    src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:kernels/kivi_cuda.py"], check=True,
-                         capture_output=True, text=True).stdout
+    """`kernels/kivi_cuda.py` at `rev` as a module with renamed kernels. `rev` may
+    also be a file holding that source (`git show REV:kernels/kivi_cuda.py > FILE`),
+    for a machine whose copy of the tree has no git history."""
+    if os.path.isfile(rev):
+        with open(rev) as f:
+            src = f.read()
+    else:
+        src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:kernels/kivi_cuda.py"], check=True,
+                             capture_output=True, text=True).stdout
     src = src.replace('name="kivi_', 'name="base_kivi_')
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(src)

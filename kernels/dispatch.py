@@ -195,13 +195,16 @@ def flush_layers(
     (`new_block_ids`: k per slot, slot by slot) and its tail shifts by k*G, in
     one pass: the same launches and scatters as a one-block flush.
 
-    The pools end bit-identical to calling `flush` on each. Every read of the pools
-    (the flushed tails' rows, gathered; with the fused kernel its outputs) is
-    started at once (`mx.async_eval`), the writes (scatters) are built meanwhile
-    and stay lazy, and the reads are finished before this returns
-    (`_finish_reads`): a write updates a pool in place only if, when it is
-    evaluated (with the caller's next graph, a decode step), no read of that
-    buffer is pending on the device; MLX copies the whole array otherwise.
+    The pools end bit-identical to calling `flush` on each. On CUDA (the default,
+    KIVIQ_FLUSH_KERNEL=fused) one kernel per pool quantizes, writes the new blocks
+    and shifts the tails in place; nothing is left lazy. Elsewhere (and with
+    KIVIQ_FLUSH_KERNEL=gather) every read of the pools (the flushed tails' rows,
+    gathered) is started at once (`mx.async_eval`), the writes (scatters) are built
+    meanwhile and stay lazy: a scatter updates a pool in place only if, when it is
+    evaluated (with the caller's next graph, a decode step), no read of that buffer
+    is pending on the device; MLX copies the whole array otherwise. Either way the
+    device has released the pools' buffers when this returns (`_finish`), so the
+    next step's tail writes happen in place.
     `use_kernel` as in `decode_attend`.
     """
     if not pools:
@@ -221,19 +224,14 @@ def flush_layers(
     if flush_kernel not in ("fused", "gather"):
         raise ValueError(f"{kivi_cuda.FLUSH_KERNEL_ENV}={flush_kernel!r}: expected 'fused' or 'gather'")
     if kernel and mod is kivi_cuda and flush_kernel == "fused":
-        # One launch per pool reads the tails through the slots and also returns
-        # them shifted; then only the scatters (~17 ops per layer before). The
-        # default on CUDA: bit-identical to the gather path. The launch is the
-        # same for every pool (same shapes) but for its two tails.
-        launch = kivi_cuda.fused_flush_launch(pools[0], slots, bits=bits, group_size=g, blocks_per_slot=kb)
-        rest = launch.pop("inputs")[2:]  # slots, params
-        outputs = [kivi_cuda.FLUSH_FUSED_KERNEL(inputs=[pool.tail_k, pool.tail_v, *rest], **launch)
-                   for pool in pools]
-        reads = [a for out in outputs for a in out]
-        mx.async_eval(reads)  # every read of the pools, before any write (in place)
-        for pool, out in zip(pools, outputs):
-            write_flushed(pool, slots, ids, *out[6:], out[:6])
-        _finish_reads(reads)
+        # One in-place launch per pool, no scatters (kivi_cuda.FLUSH_FUSED_SOURCE).
+        # The launches write the pools behind MLX's graph, so they are evaluated on
+        # their own: every earlier reader of the pools is already enqueued (the
+        # engine evaluates or launches each step before the next one's flush), and
+        # no reader is built before they are done.
+        done = [kivi_cuda.fused_flush(pool, slots, ids, bits=bits, group_size=g, blocks_per_slot=kb)
+                for pool in pools]
+        _finish(done)
         return
     # rows: [F, H_kv, R + k*G, D] per pool and tail.
     rows = [(pool.tail_k[slots], pool.tail_v[slots]) for pool in pools]
@@ -249,20 +247,20 @@ def flush_layers(
         else:
             quantized = quantize_flushed(pool, blocks_k, blocks_v, bits=bits, group_size=g)
         write_flushed(pool, slots, ids, shifted_tail(rows_k, kb * g), shifted_tail(rows_v, kb * g), quantized)
-    _finish_reads(reads)
+    _finish(reads)
 
 
-def _finish_reads(reads: list[mx.array]) -> None:
-    """Wait until ``reads`` are computed and the device has released every
-    buffer they read, so that writes into those buffers, evaluated after this,
-    happen in place.
+def _finish(arrays: list[mx.array]) -> None:
+    """Wait until ``arrays`` are computed and the device has released every
+    buffer their kernels used, so that scatters into those buffers, evaluated
+    after this, happen in place.
 
     `mx.eval` alone is not enough: the CUDA backend keeps a kernel's inputs
     alive until a completion handler runs on another thread, which can come
     after `eval` returns; `mx.synchronize` waits for the handlers too.
     """
-    if reads:
-        mx.eval(reads)
+    if arrays:
+        mx.eval(arrays)
         mx.synchronize()
 
 

@@ -77,10 +77,12 @@ the storage dtype first and codes computed from the stored values. The caller
 scatters the small outputs into the pool and shifts the tails with mlx ops
 (`kivi_flush`), in place as in the reference. `kivi_flush_fused` (what
 `dispatch.flush_layers`, the engine's flush, runs on CUDA; KIVIQ_FLUSH_KERNEL=gather
-selects the first kernel with mlx gathers for A/B runs; no Metal twin yet, Metal
-runs the gather path) reads the tails through the flushing slots, handles k blocks
-per slot, and also returns the shifted tails, so a layer's flush is one launch plus
-the scatters. Both share `kivi_flush_block`, so they quantize alike.
+selects the first kernel with mlx gathers and scatters for A/B runs; no Metal twin
+yet, Metal runs the gather path) reads the tails through the flushing slots, handles
+k blocks per slot, writes the new blocks and shifts the tails in place: a layer's
+flush is one launch and no graph node besides (see the comment above
+FLUSH_FUSED_SOURCE for the ordering that makes writing through an input safe).
+Both share `kivi_flush_block`, so they quantize alike.
 """
 
 from __future__ import annotations
@@ -321,12 +323,26 @@ __device__ __forceinline__ void kivi_flush_block(const SD* rk, const SD* rv, int
   constexpr int P = 8 / BITS;
   constexpr int NG = D / G;
   constexpr int CPW = 32 / BITS;   // codes per 32-bit word
+  constexpr int VW = G * (int)sizeof(SD) / 16;  // 16-byte words of one value group
+  // Every load first (G key rows of channel d, one value group), then the math from
+  // registers: walking the rows with each load feeding the next min/max kept one load
+  // in flight per thread, ~89 us per layer at one flushing slot (session 8's trace).
+  const int t = d / NG;  // the value group: token d / NG, channels (d % NG) * G .. + G
+  const int gi = d % NG;
+  SD xk[G];
+  uint4 xv_raw[VW];
+#pragma unroll
+  for (int r = 0; r < G; ++r) xk[r] = rk[(size_t)r * D + d];
+  const uint4* src_v = reinterpret_cast<const uint4*>(rv + (size_t)t * D + gi * G);
+#pragma unroll
+  for (int i = 0; i < VW; ++i) xv_raw[i] = src_v[i];
+  const SD* xv = reinterpret_cast<const SD*>(xv_raw);
   {
     // Keys: channel d over the G oldest tokens.
-    const SD* x = rk + d;
-    float mn = kivi_f(x[0]), mx = mn;
-    for (int t = 1; t < G; ++t) {
-      const float v = kivi_f(x[(size_t)t * D]);
+    float mn = kivi_f(xk[0]), mx = mn;
+#pragma unroll
+    for (int r = 1; r < G; ++r) {
+      const float v = kivi_f(xk[r]);
       mn = fminf(mn, v);
       mx = fmaxf(mx, v);
     }
@@ -334,26 +350,22 @@ __device__ __forceinline__ void kivi_flush_block(const SD* rk, const SD* rv, int
     float zf, sf;
     kivi_group_params<SD, BITS>(mn, mx, zero, scale, zf, sf);
     uint32_t* dst = reinterpret_cast<uint32_t*>(k_codes + ((size_t)fh * D + d) * (G / P));
+#pragma unroll
     for (int w = 0; w < G / CPW; ++w) {
       uint32_t word = 0u;
 #pragma unroll
-      for (int j = 0; j < CPW; ++j) {
-        const float v = kivi_f(x[(size_t)(w * CPW + j) * D]);
-        word |= kivi_quantize<BITS>(v, zf, sf) << (j * BITS);
-      }
+      for (int j = 0; j < CPW; ++j) word |= kivi_quantize<BITS>(kivi_f(xk[w * CPW + j]), zf, sf) << (j * BITS);
       dst[w] = word;
     }
     k_scales[(size_t)fh * D + d] = scale;
     k_zeros[(size_t)fh * D + d] = zero;
   }
   {
-    // Values: token d / NG, channels (d % NG) * G .. + G.
-    const int t = d / NG;
-    const int gi = d % NG;
-    const SD* x = rv + (size_t)t * D + gi * G;
-    float mn = kivi_f(x[0]), mx = mn;
+    // Values: token t, channels gi * G .. + G.
+    float mn = kivi_f(xv[0]), mx = mn;
+#pragma unroll
     for (int c = 1; c < G; ++c) {
-      const float v = kivi_f(x[c]);
+      const float v = kivi_f(xv[c]);
       mn = fminf(mn, v);
       mx = fmaxf(mx, v);
     }
@@ -362,16 +374,39 @@ __device__ __forceinline__ void kivi_flush_block(const SD* rk, const SD* rv, int
     kivi_group_params<SD, BITS>(mn, mx, zero, scale, zf, sf);
     uint32_t* dst = reinterpret_cast<uint32_t*>(
         v_codes + ((size_t)fh * G + t) * (D / P) + gi * (G / P));
+#pragma unroll
     for (int w = 0; w < G / CPW; ++w) {
       uint32_t word = 0u;
 #pragma unroll
-      for (int j = 0; j < CPW; ++j) {
-        word |= kivi_quantize<BITS>(kivi_f(x[w * CPW + j]), zf, sf) << (j * BITS);
-      }
+      for (int j = 0; j < CPW; ++j) word |= kivi_quantize<BITS>(kivi_f(xv[w * CPW + j]), zf, sf) << (j * BITS);
       dst[w] = word;
     }
     v_scales[(size_t)fh * D + d] = scale;
     v_zeros[(size_t)fh * D + d] = zero;
+  }
+}
+
+// A tail of rg rows (channel d of it, this thread's) moved down by `from` rows in
+// place, zeros after the kept rows. Rows go up in chunks of SR, a chunk's loads before
+// its stores: with SR <= from a store only lands on rows this thread has already read,
+// so one thread per channel needs no barrier, and SR loads per tail are in flight.
+template <typename SD, int D, int SR>
+__device__ __forceinline__ void kivi_shift_tails(SD* tk, SD* tv, int rg, int from, int d) {
+  for (int i0 = 0; i0 < rg; i0 += SR) {
+    SD ks[SR], vs[SR];
+#pragma unroll
+    for (int r = 0; r < SR; ++r) {
+      const int i = i0 + r + from;
+      ks[r] = i < rg ? tk[(size_t)i * D + d] : kivi_from_f<SD>(0.0f);
+      vs[r] = i < rg ? tv[(size_t)i * D + d] : kivi_from_f<SD>(0.0f);
+    }
+#pragma unroll
+    for (int r = 0; r < SR; ++r) {
+      if (i0 + r < rg) {
+        tk[(size_t)(i0 + r) * D + d] = ks[r];
+        tv[(size_t)(i0 + r) * D + d] = vs[r];
+      }
+    }
   }
 }
 
@@ -1144,60 +1179,44 @@ FLUSH_SOURCE = r"""
                                    k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros);
 """
 
-# The fused flush (the CUDA default; FLUSH_KERNEL_ENV=gather selects the other; no
-# Metal twin yet). Inputs: tail_k, tail_v [slots, H_kv, T, D] (the pool's tails of
-# T = R + k*G rows, SD), slots int32 [F] (the flushing slots), params int32 [T, H_kv, k].
-# Each slot flushes k blocks: entry e = f * k + blk is block blk, tail rows blk*G ..
-# blk*G + G - 1 of slot f. One thread block per (e, h), one thread per channel d; the
-# blocks with blk = 0 also write channel d of their slot's shifted tails.
-# Outputs: the six block arrays as above for F*k new blocks, then
-#          shifted_k/shifted_v [F, H_kv, T, D]: the tails once their oldest k*G rows
-#          left (moved down, zeros at the end), ready to be scattered back.
-# Reading the tails through `slots` and writing the shifted rows here replaces, per
-# layer, the two gathers and each tail's slice/zeros/concatenate: ~8 of a flush's ~17
-# graph nodes, and a flush ran in nearly every B = 32 step (step_trace --trace).
-# Grid y: the shifted rows in chunks of FLUSH_SHIFT_ROWS, one chunk per thread block,
-# loads issued before stores; the y = 0 blocks also quantize. One block walking all T
-# rows, one dependent load and store at a time, took ~170 us per layer at F = 1
-# (8 thread blocks on the whole GPU; session 8's trace): most of a B = 32 step's flush.
-FLUSH_SHIFT_ROWS = 8
+# The fused flush, in place (the CUDA default; FLUSH_KERNEL_ENV=gather selects the
+# other; no Metal twin yet, Metal runs the gather path). Inputs: the layer's eight pool
+# arrays (POOL_NAMES), slots int32 [F] (the flushing slots), ids int32 [F * k] (their
+# new blocks, k per slot, slot by slot), params int32 [T, H_kv, k] (T = R + k*G, the
+# tail rows). One thread block per (slot f, kv head h), one thread per channel d:
+# block blk of the slot is its tail rows blk*G .. blk*G + G - 1, written at block
+# ids[f * k + blk]; then, after a barrier (the value groups read other threads'
+# channels), the tails move down by k*G rows (kivi_shift_tails). Output: `done`, one
+# int32 nobody reads; evaluating it runs the launch.
+# The pool is written through its input pointers: MLX hands a kernel its inputs as
+# const pointers to the arrays' own buffers (no copy: the pool arrays are whole and
+# row-contiguous, and ensure_row_contiguous is off so MLX never substitutes a copy).
+# The writes are invisible to MLX's graph, so the caller (dispatch.flush_layers) owns
+# the ordering: every computation that reads the pool must already be evaluated or
+# enqueued (same stream, earlier graph) and nothing reads the pool in the flush's own
+# evaluation. What this replaced: one launch returning the new blocks and the shifted
+# tails, then eight scatters per layer, ~290 graph nodes a flush step at 36 layers,
+# which was most of the host time a flush step added (docs/benchmarks.md, session 9).
+FLUSH_SHIFT_ROWS = 16  # <= k*G (G >= 16), see kivi_shift_tails
 FLUSH_FUSED_SOURCE = r"""
-  const int fh = blockIdx.x;  // (entry, kv head): the index of this block's outputs
-  const int d = threadIdx.x;
   const int RG = params[0];
   const int H_kv = params[1];
   const int K = params[2];
-  const int e = fh / H_kv, h = fh % H_kv;
-  const int f = e / K, blk = e % K;  // block blk of slot f's flush
+  const int f = blockIdx.x / H_kv, h = blockIdx.x % H_kv;
+  const int d = threadIdx.x;
   const size_t slot_rows = ((size_t)slots[f] * H_kv + h) * RG * D;
-  if (blk == 0) {
-    constexpr int SR = KIVI_SHIFT_ROWS;
-    const SD* tk = tail_k + slot_rows;
-    const SD* tv = tail_v + slot_rows;
-    const int from = K * G;
-    const int i0 = blockIdx.y * SR;
-    const size_t out0 = ((size_t)f * H_kv + h) * RG * D;
-    SD ks[SR], vs[SR];
-#pragma unroll
-    for (int r = 0; r < SR; ++r) {
-      const int i = i0 + r;
-      const bool kept = i + from < RG;
-      ks[r] = kept ? tk[(size_t)(i + from) * D + d] : kivi_from_f<SD>(0.0f);
-      vs[r] = kept ? tv[(size_t)(i + from) * D + d] : kivi_from_f<SD>(0.0f);
-    }
-#pragma unroll
-    for (int r = 0; r < SR; ++r) {
-      if (i0 + r < RG) {
-        shifted_k[out0 + (size_t)(i0 + r) * D + d] = ks[r];
-        shifted_v[out0 + (size_t)(i0 + r) * D + d] = vs[r];
-      }
-    }
+  SD* tk = const_cast<SD*>(tail_k) + slot_rows;
+  SD* tv = const_cast<SD*>(tail_v) + slot_rows;
+  for (int blk = 0; blk < K; ++blk) {
+    kivi_flush_block<SD, D, G, BITS>(tk + (size_t)blk * G * D, tv + (size_t)blk * G * D,
+                                     ids[f * K + blk] * H_kv + h, d,
+                                     const_cast<uint8_t*>(k_codes), const_cast<SD*>(k_scales),
+                                     const_cast<SD*>(k_zeros), const_cast<uint8_t*>(v_codes),
+                                     const_cast<SD*>(v_scales), const_cast<SD*>(v_zeros));
   }
-  if (blockIdx.y == 0) {
-    kivi_flush_block<SD, D, G, BITS>(tail_k + slot_rows + (size_t)blk * G * D,
-                                     tail_v + slot_rows + (size_t)blk * G * D, fh, d,
-                                     k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros);
-  }
+  __syncthreads();
+  kivi_shift_tails<SD, D, KIVI_SHIFT_ROWS>(tk, tv, RG, K * G, d);
+  if (blockIdx.x == 0 && d == 0) done[0] = 0;
 """.replace("KIVI_SHIFT_ROWS", str(FLUSH_SHIFT_ROWS))
 
 POOL_NAMES = ("k_codes", "k_scales", "k_zeros", "v_codes", "v_scales", "v_zeros",
@@ -1208,8 +1227,8 @@ ATTEND_OUTPUTS = ["part_acc", "part_ml"]
 MERGE_INPUTS = ["part_acc", "part_ml", "params"]
 FLUSH_INPUTS = ["rows_k", "rows_v", "params"]
 FLUSH_OUTPUTS = list(POOL_NAMES[:6])
-FLUSH_FUSED_INPUTS = ["tail_k", "tail_v", "slots", "params"]
-FLUSH_FUSED_OUTPUTS = [*POOL_NAMES[:6], "shifted_k", "shifted_v"]
+FLUSH_FUSED_INPUTS = [*POOL_NAMES, "slots", "ids", "params"]
+FLUSH_FUSED_OUTPUTS = ["done"]
 FLUSH_KERNEL_ENV = "KIVIQ_FLUSH_KERNEL"  # "fused" (default, FLUSH_FUSED_SOURCE) or "gather"
 
 
@@ -1228,7 +1247,7 @@ def _build():
         k(FLUSH_SOURCE, name="kivi_flush_quantize", input_names=FLUSH_INPUTS,
           output_names=FLUSH_OUTPUTS),
         k(FLUSH_FUSED_SOURCE, name="kivi_flush_fused", input_names=FLUSH_FUSED_INPUTS,
-          output_names=FLUSH_FUSED_OUTPUTS),
+          output_names=FLUSH_FUSED_OUTPUTS, ensure_row_contiguous=False),
     )
 
 
@@ -1496,17 +1515,18 @@ def flush_launch(pool: KiviPool, rows_k, *, bits, group_size):
     return launch, template, _const((rows_k.shape[2],), mx.int32)
 
 
-def fused_flush_launch(pool: KiviPool, slots: mx.array, *, bits, group_size, blocks_per_slot: int = 1):
-    """The fused flush kernel's call (FLUSH_FUSED_SOURCE) for these flushing slots, k =
-    blocks_per_slot new blocks each: inputs, template and launch."""
+def fused_flush(pool: KiviPool, slots: mx.array, ids: mx.array, *, bits, group_size,
+                blocks_per_slot: int = 1) -> mx.array:
+    """The in-place fused flush of one layer (FLUSH_FUSED_SOURCE: read its comment for
+    the ordering the caller owns): k = blocks_per_slot new blocks per flushing slot at
+    ``ids``, tails shifted. Returns the launch's `done` array; evaluating it writes the pool."""
     f, k = slots.shape[0], blocks_per_slot
     _, h_kv, rg, d = pool.tail_k.shape
-    launch, template = _new_blocks_launch(pool, f * k, bits=bits, group_size=group_size)
-    launch["grid"] = (launch["grid"][0], -(-rg // FLUSH_SHIFT_ROWS), 1)  # y: chunks of shifted rows
-    launch["output_shapes"] += [(f, h_kv, rg, d)] * 2  # the shifted tails
-    launch["output_dtypes"] += [pool.tail_k.dtype] * 2
-    return dict(inputs=[pool.tail_k, pool.tail_v, slots, _const((rg, h_kv, k), mx.int32)],
-                template=template, **launch)
+    return FLUSH_FUSED_KERNEL(
+        inputs=[*pool, slots, ids, _const((rg, h_kv, k), mx.int32)],
+        template=[("SD", pool.k_scales.dtype), ("D", d), ("G", group_size), ("BITS", bits)],
+        grid=(f * h_kv * d, 1, 1), threadgroup=(d, 1, 1),
+        output_shapes=[(1,)], output_dtypes=[mx.int32])[0]
 
 
 def kivi_flush(

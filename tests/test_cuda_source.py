@@ -111,8 +111,8 @@ def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
          [("T", bf), ("D", 128), ("REP", 4), ("MAX_SPLITS", 1024), ("MERGE_WARPS", 16)]),
         ("flush", [("rows_k", bf), ("rows_v", bf), ("params", i32)], pool[:6],
          [("SD", bf), ("D", 128), ("G", 32), ("BITS", 2)]),
-        ("flush_fused", [("tail_k", bf), ("tail_v", bf), ("slots", i32), ("params", i32)],
-         [*pool[:6], ("shifted_k", bf), ("shifted_v", bf)], [("SD", bf), ("D", 128), ("G", 32), ("BITS", 4)]),
+        ("flush_fused", [*pool, ("slots", i32), ("ids", i32), ("params", i32)],
+         [("done", i32)], [("SD", bf), ("D", 128), ("G", 32), ("BITS", 4)]),
     ]
     for kernel, inputs, outputs, template in cases:
         source = SOURCES[kernel]
