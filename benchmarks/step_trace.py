@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mlx.core as mx  # noqa: E402
 
 import engine.kv_store as kv_store_module  # noqa: E402
-from kernels import kivi_cuda  # noqa: E402
+from kernels import dispatch, kivi_cuda  # noqa: E402
 from benchmarks.common import command, machine, prefilled_engine, table  # noqa: E402
 from benchmarks.engine import SHAPES, IdTokenizer, random_model  # noqa: E402
 
@@ -136,14 +136,15 @@ class Arm:
         name, *pairs = spec.split(",")
         self.spec, self.name = spec, name
         self.opts = dict(p.split("=", 1) for p in pairs)
-        known = {"kiviq": {"flush_blocks", "flush", "bits", "pipeline", "compile", "table", "slots"},
+        known = {"kiviq": {"flush_blocks", "flush", "tail", "bits", "pipeline", "compile", "table", "slots"},
                  "mlxlm": {"pipeline"},
                  "batchgen": set()}
         if name not in known or set(self.opts) - known[name]:
-            raise SystemExit(f"--arm {spec}: expected kiviq[,flush_blocks=K][,flush=gather|fused][,bits=B]"
+            raise SystemExit(f"--arm {spec}: expected kiviq[,flush_blocks=K][,flush=gather|fused][,tail=scatter|kernel][,bits=B]"
                              "[,pipeline=1][,compile=1][,table=N][,slots=N], mlxlm[,pipeline=1] or batchgen")
         self.pipelined = self.opts.get("pipeline", "0") == "1"
-        self.env = {kivi_cuda.FLUSH_KERNEL_ENV: self.opts["flush"]} if "flush" in self.opts else {}
+        self.env = {env: self.opts[opt] for opt, env in (("flush", kivi_cuda.FLUSH_KERNEL_ENV),
+                                                        ("tail", dispatch.TAIL_WRITE_ENV)) if opt in self.opts}
         self.flushes: list[int] = []
         self.times: list[float] = []
         self.flushed: list[bool] = []  # per timed step: did a tail flush in it
@@ -324,7 +325,7 @@ def report(arms: list[Arm], args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arm", action="append", dest="arms", metavar="SPEC",
-                   help="repeatable: kiviq[,flush_blocks=K][,flush=gather|fused][,bits=B] (kiviq's engine), "
+                   help="repeatable: kiviq[,flush_blocks=K][,flush=gather|fused][,tail=scatter|kernel][,bits=B] (kiviq's engine), "
                         "mlxlm (mlx-lm's own cache, one request, B=1) or batchgen (mlx-lm's BatchGenerator); "
                         "default kiviq")
     p.add_argument("--shape", default="qwen3-4b", choices=sorted(SHAPES))

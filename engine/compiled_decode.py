@@ -10,9 +10,11 @@ graph instead, and fuses chains of elementwise ops.
 What a compiled step may depend on: everything that differs between steps
 must be an input. Here that is the tokens, the RoPE offsets, the step's
 int32 metadata (block tables, lengths, slots, write indices) and every
-layer's pool arrays, which come back as outputs (the tail writes are scatters
-into them; updated in place as in the plain path, since the store drops the
-old arrays before the step is evaluated). The attention's launch plan is made
+layer's pool arrays, which come back as outputs: where the tail writes are
+scatters (the reference, Metal) those are new arrays, updated in place as in
+the plain path, since the store drops the old arrays before the step is
+evaluated; on CUDA the attention kernel writes the tails itself
+(``KiviStore.write_and_attend``) and the outputs are the inputs. The attention's launch plan is made
 from shapes alone (``kernels.kivi_cuda.split_plan``), so it is fixed for a
 trace; ``mx.compile`` retraces whenever an input's shape changes, i.e. when
 the batch size or the block-table width changes.
@@ -89,5 +91,6 @@ class CompiledDecode:
         with store.using_pools(pools):
             caches = [KiviLayerCache(store, layer, [], batch=batch) for layer in range(store.num_layers)]
             logits = self.model(ids, cache=caches)[:, -1]
-        # The writes replaced the stand-ins' arrays (scatter assignment): return them.
+        # Scatter writes replaced the stand-ins' arrays: return them (unchanged where
+        # the kernel wrote the tails).
         return [logits, *(a for pool in pools for a in pool)]

@@ -78,8 +78,7 @@ class KiviLayerCache:
         if length == 1:
             batch = self.batch or self.store.begin_decode(self.seqs, self.layer)
             # As the model made them ([B, H, 1, D]): no per-layer reshape nodes.
-            self.store.write_decode(self.layer, batch, keys, values)
-            return self.store.attend_decode(self.layer, batch, queries, scale)
+            return self.store.write_and_attend(self.layer, batch, queries, keys, values, scale)
         if b != 1:
             return self._attend_first_chunks(queries, keys, values, scale)
         seq = self.seqs[0]

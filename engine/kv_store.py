@@ -36,7 +36,7 @@ from kernels import (
     quantize_value_blocks,
     tokens_to_blocks,
 )
-from kernels.dispatch import attend_plan, decode_attend, flush_layers
+from kernels.dispatch import attend_plan, decode_attend, flush_layers, writes_tail
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +164,13 @@ class KiviStore:
         # sequence's blocks are never read. For A/B runs (benchmarks/step_trace.py
         # --arm kiviq,table=N): a wider table also changes the kernel's split plan.
         self.table_width_multiple = 1
+        # Whether the last decode step's attention wrote the tails itself (the CUDA
+        # kernel, dispatch.writes_tail): then a flush need not wait for the device,
+        # since no scatter into the pools follows it in the next step.
+        self._kernel_writes_tails = False
+        # A flush was left running on the device (its kernels still reference the
+        # pools): scatters into the pools must wait for it, or MLX copies the arrays.
+        self._unsettled = False
         p0 = self.pools[0]
         self.block_bytes = num_layers * sum(a.nbytes // num_blocks for a in p0[:6])
         self.slot_bytes = num_layers * (p0.tail_k.nbytes + p0.tail_v.nbytes) // num_slots
@@ -250,6 +257,7 @@ class KiviStore:
         quantized at once, leaving R .. R + k*G - 1 tokens in the tail.
         """
         g = self.config.group_size
+        self._settle()
         pool = self.pools[layer]
         t_old, n_new = seq.tail_lens[layer], k.shape[1]
         total = t_old + n_new
@@ -304,8 +312,10 @@ class KiviStore:
         if full:
             ids = [self._block_for(seqs[i], before[i][1] + j) for i in full for j in range(kb)]
             pools = self.pools if layer is None else [self.pools[layer]]
+            wait = not self._kernel_writes_tails
             flush_layers(pools, [seqs[i].slot for i in full], ids, [r + kb * g - 1] * len(full),
-                         bits=self.config.bits, group_size=g, blocks_per_slot=kb)
+                         bits=self.config.bits, group_size=g, blocks_per_slot=kb, wait=wait)
+            self._unsettled = not wait
         tails, blocks = [t + 1 for t, _ in before], [nb for _, nb in before]
         for i in full:
             tails[i], blocks[i] = r, blocks[i] + kb
@@ -341,9 +351,16 @@ class KiviStore:
         finally:
             self.pools = saved
 
+    def _settle(self) -> None:
+        """Wait for a flush left running (see ``_unsettled``) before a scatter into the pools."""
+        if self._unsettled:
+            mx.synchronize()
+            self._unsettled = False
+
     def write_decode(self, layer: int, batch: DecodeBatch, k: mx.array, v: mx.array) -> None:
         """Write the step's new tokens k, v [B, H_kv, 1, D] (the model's layout; or
         [B, H_kv, D]) into ``layer``'s tails."""
+        self._settle()
         pool = self.pools[layer]
         if k.ndim == 3:
             k, v = k[:, :, None], v[:, :, None]
@@ -369,14 +386,38 @@ class KiviStore:
         Returns:
             q's shape.
         """
+        return self._plan(layer, batch, q, scale)(q, self.pools[layer])
+
+    def write_and_attend(self, layer: int, batch: DecodeBatch, q: mx.array, k: mx.array, v: mx.array,
+                         scale: float) -> mx.array:
+        """``write_decode`` then ``attend_decode``, for one layer of a step. Where the
+        attention kernel writes the tails itself (CUDA: ``dispatch.writes_tail``), the
+        new tokens go with its launch and no scatter is built (two graph nodes per
+        layer and step, and no in-place condition to keep).
+
+        Args:
+            q: [B, H_q, 1, D] (or [B, H_q, D]); k, v: [B, H_kv, 1, D] (or [B, H_kv, D]).
+
+        Returns:
+            q's shape.
+        """
+        plan = self._plan(layer, batch, q, scale)
         pool = self.pools[layer]
+        self._kernel_writes_tails = writes_tail(plan)
+        if self._kernel_writes_tails:
+            return plan(q, pool, _as(k, pool.tail_k.dtype), _as(v, pool.tail_v.dtype))
+        self.write_decode(layer, batch, k, v)
+        return plan(q, pool)
+
+    def _plan(self, layer: int, batch: DecodeBatch, q: mx.array, scale: float):
+        """The step's attention launch plan (made by the first layer, shared by the rest)."""
         key = (q.shape, q.dtype, scale)
         plan = batch.plans.get(key)
-        if plan is None:  # the first layer; the others share its launch plan
+        if plan is None:
             plan = batch.plans[key] = attend_plan(
-                q.shape, q.dtype, pool, batch.block_tables, batch.num_blocks, batch.slots, batch.tail_lens,
-                scale=scale, bits=self.config.bits, group_size=self.config.group_size)
-        return plan(q, pool)
+                q.shape, q.dtype, self.pools[layer], batch.block_tables, batch.num_blocks, batch.slots,
+                batch.tail_lens, scale=scale, bits=self.config.bits, group_size=self.config.group_size)
+        return plan
 
     def dense_past(self, layer: int, seq: SequenceKV) -> tuple[mx.array, mx.array]:
         """The sequence's committed K and V in ``layer`` as [H_kv, S, D] (blocks

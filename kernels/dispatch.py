@@ -187,6 +187,7 @@ def flush_layers(
     group_size: int = 32,
     use_kernel: bool | None = None,
     blocks_per_slot: int = 1,
+    wait: bool = True,
 ) -> None:
     """`flush` of the same slots into the same block ids of several pools (a
     model's layers), with one host sync for all of them instead of one per pool.
@@ -204,7 +205,11 @@ def flush_layers(
     evaluated (with the caller's next graph, a decode step), no read of that buffer
     is pending on the device; MLX copies the whole array otherwise. Either way the
     device has released the pools' buffers when this returns (`_finish`), so the
-    next step's tail writes happen in place.
+    next step's tail writes happen in place. With ``wait=False`` the in-place
+    kernels are only started (their own graph, ahead of anything built later);
+    for a caller whose next step scatters nothing into the pools (its attention
+    writes the tails: `writes_tail`) and who waits (`mx.synchronize`) before any
+    other scatter into them. The gather path always waits.
     `use_kernel` as in `decode_attend`.
     """
     if not pools:
@@ -231,7 +236,10 @@ def flush_layers(
         # no reader is built before they are done.
         done = [kivi_cuda.fused_flush(pool, slots, ids, bits=bits, group_size=g, blocks_per_slot=kb)
                 for pool in pools]
-        _finish(done)
+        if wait:
+            _finish(done)
+        else:
+            mx.async_eval(done)
         return
     # rows: [F, H_kv, R + k*G, D] per pool and tail.
     rows = [(pool.tail_k[slots], pool.tail_v[slots]) for pool in pools]
@@ -248,6 +256,20 @@ def flush_layers(
             quantized = quantize_flushed(pool, blocks_k, blocks_v, bits=bits, group_size=g)
         write_flushed(pool, slots, ids, shifted_tail(rows_k, kb * g), shifted_tail(rows_v, kb * g), quantized)
     _finish(reads)
+
+
+TAIL_WRITE_ENV = "KIVIQ_TAIL_WRITE"  # "kernel" (default): see writes_tail; "scatter": never
+
+
+def writes_tail(plan) -> bool:
+    """Whether an `attend_plan` result takes the step's new token (`plan(q, pool,
+    k_new, v_new)`) and writes it into the tail itself: the CUDA plan does, unless
+    KIVIQ_TAIL_WRITE=scatter (for A/B runs); the others read a tail already written
+    (`KiviStore.write_decode`'s scatters)."""
+    mode = os.environ.get(TAIL_WRITE_ENV, "kernel")
+    if mode not in ("kernel", "scatter"):
+        raise ValueError(f"{TAIL_WRITE_ENV}={mode!r}: expected 'kernel' or 'scatter'")
+    return mode == "kernel" and isinstance(plan, kivi_cuda.AttendPlan)
 
 
 def _finish(arrays: list[mx.array]) -> None:
@@ -271,4 +293,4 @@ def _entries(rows: mx.array, k: int, g: int) -> mx.array:
     return rows[:, :, : k * g].reshape(f, h, k, g, d).transpose(0, 2, 1, 3, 4).reshape(f * k, h, g, d)
 
 
-__all__ = ["attend_plan", "backend", "decode_attend", "flush", "flush_layers", "kernel_available"]
+__all__ = ["attend_plan", "backend", "decode_attend", "flush", "flush_layers", "kernel_available", "writes_tail"]

@@ -207,6 +207,21 @@ HEADER = r"""
   const int nsu = nsplit + params[4];               \
   const int split = blockIdx.x * NW + warp;
 
+// The tail chunk of split `split` (>= nsplit): rows row0 .. row0 + rows - 1 of slot
+// slots[b]'s tail, and nr, the chunk's row holding this step's new token (-1 if none
+// or if params[5] is 0: the token is already in the tail). With params[5] = 1 the
+// tail's last row (tail_lens[b] - 1) is read from k_new / v_new [B, H_kv, D] and
+// written into the tail by the one warp whose chunk holds it: the engine's decode
+// step then needs no scatter per layer (two graph nodes) for its tail write.
+#define KIVI_TAIL_CHUNK                                                           \
+  const int tl_all = min(tail_lens[b], RG);                                       \
+  const int row0 = (split - nsplit) * KIVI_TAIL_ROWS;                             \
+  const int rows = max(0, min(tl_all - row0, KIVI_TAIL_ROWS));                    \
+  const size_t base = (((size_t)slots[b] * H_kv + h) * RG + row0) * D;            \
+  const int nr_at = tl_all - 1 - row0;                                            \
+  const int nr = (params[5] != 0 && nr_at >= 0 && nr_at < rows) ? nr_at : -1;     \
+  const size_t kv = ((size_t)b * H_kv + h) * D;
+
 __device__ __forceinline__ float kivi_f(float x) { return x; }
 __device__ __forceinline__ float kivi_f(__half x) { return __half2float(x); }
 __device__ __forceinline__ float kivi_f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -415,9 +430,13 @@ __device__ __forceinline__ void kivi_shift_tails(SD* tk, SD* tv, int rg, int fro
 // 8 channels) for the values. pw: this warp's [REP][PS] floats. Loads are issued in
 // batches of 4 x 16 bytes: one warp walking rows one dependent load at a time was the
 // latency of a whole B = 1 call when the tail was one split (measured).
+// nr >= 0: row nr of this chunk is the step's new token, read from kn / vn (the
+// model's k and v) instead of the tail, and written into the tail here for the next
+// steps (no other warp reads that row in this step: see KIVI_TAIL_CHUNK).
 template <typename SD, int D, int REP, int PS>
 __device__ __forceinline__ void kivi_tail_attend(const float* qs, float* pw, const SD* tk,
-                                                 const SD* tv, int tl, int lane,
+                                                 const SD* tv, int tl, int nr, const SD* kn,
+                                                 const SD* vn, int lane,
                                                  float (&m)[REP], float (&l)[REP],
                                                  float (&acc)[REP][8]) {
   constexpr int LR = D / 8;
@@ -430,8 +449,14 @@ __device__ __forceinline__ void kivi_tail_attend(const float* qs, float* pw, con
   float s[REP];
 #pragma unroll
   for (int r = 0; r < REP; ++r) s[r] = 0.0f;
+  if (nr >= 0) {  // the new token into the tail, 16 bytes per lane (kn, vn: D apart)
+    for (int i = lane; i < D / 8; i += 32) {
+      *reinterpret_cast<uint4*>(const_cast<SD*>(tk) + (size_t)nr * D + 8 * i) = kivi_ld16(kn + 8 * i);
+      *reinterpret_cast<uint4*>(const_cast<SD*>(tv) + (size_t)nr * D + 8 * i) = kivi_ld16(vn + 8 * i);
+    }
+  }
   if (valid) {
-    const SD* row = tk + (size_t)lane * D;
+    const SD* row = lane == nr ? kn : tk + (size_t)lane * D;
 #pragma unroll 1
     for (int d0 = 0; d0 < D; d0 += 8 * KB) {
       uint4 raw[KB];
@@ -467,7 +492,7 @@ __device__ __forceinline__ void kivi_tail_attend(const float* qs, float* pw, con
 #pragma unroll
     for (int i = 0; i < KB; ++i) {
       const int t = t0 + i * TPI;
-      raw[i] = t < n ? kivi_ld16(tv + (size_t)t * D + cc * 8) : make_uint4(0u, 0u, 0u, 0u);
+      raw[i] = t < n ? kivi_ld16((t == nr ? vn : tv + (size_t)t * D) + cc * 8) : make_uint4(0u, 0u, 0u, 0u);
     }
 #pragma unroll
     for (int i = 0; i < KB; ++i) {
@@ -826,11 +851,9 @@ ATTEND_SOURCE = r"""
       __syncwarp();
     }
   } else {
-    const int row0 = (split - nsplit) * KIVI_TAIL_ROWS;
-    const int rows = max(0, min(min(tail_lens[b], RG) - row0, KIVI_TAIL_ROWS));
-    const size_t base = (((size_t)slots[b] * H_kv + h) * RG + row0) * D;
-    kivi_tail_attend<SD, D, REP, STEP>(qs, pw, tail_k + base, tail_v + base, rows, lane, m, l,
-                                       acc);
+    KIVI_TAIL_CHUNK
+    kivi_tail_attend<SD, D, REP, STEP>(qs, pw, tail_k + base, tail_v + base, rows, nr,
+                                       k_new + kv, v_new + kv, lane, m, l, acc);
   }
   kivi_write_part<D, REP>(m, l, acc, lane, part_acc, part_ml,
                           ((size_t)(b * H_kv + h) * nsu + split) * REP);
@@ -889,11 +912,9 @@ ATTEND_MMA_SOURCE = r"""
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[r][j] = 0.0f;
     }
-    const int row0 = (split - nsplit) * KIVI_TAIL_ROWS;
-    const int rows = max(0, min(min(tail_lens[b], RG) - row0, KIVI_TAIL_ROWS));
-    const size_t base = (((size_t)slots[b] * H_kv + h) * RG + row0) * D;
-    kivi_tail_attend<SD, D, REP, 32>(qs, qs + D * REP, tail_k + base, tail_v + base, rows,
-                                     lane, m, l, acc);
+    KIVI_TAIL_CHUNK
+    kivi_tail_attend<SD, D, REP, 32>(qs, qs + D * REP, tail_k + base, tail_v + base, rows, nr,
+                                     k_new + kv, v_new + kv, lane, m, l, acc);
     kivi_write_part<D, REP>(m, l, acc, lane, part_acc, part_ml, oi);
     return;
   }
@@ -1222,7 +1243,7 @@ FLUSH_FUSED_SOURCE = r"""
 POOL_NAMES = ("k_codes", "k_scales", "k_zeros", "v_codes", "v_scales", "v_zeros",
               "tail_k", "tail_v")
 ATTEND_INPUTS = ["q", *POOL_NAMES, "block_tables", "num_blocks", "slots", "tail_lens",
-                 "params", "qscale_in"]
+                 "params", "qscale_in", "k_new", "v_new"]
 ATTEND_OUTPUTS = ["part_acc", "part_ml"]
 MERGE_INPUTS = ["part_acc", "part_ml", "params"]
 FLUSH_INPUTS = ["rows_k", "rows_v", "params"]
@@ -1267,9 +1288,19 @@ def _const(values: tuple, dtype) -> mx.array:
     if a is None:
         if len(_CONSTS) >= 1024:
             _CONSTS.clear()
+            _CONST_VALUES.clear()
         a = _CONSTS[key] = mx.array(list(values), dtype=dtype)
+        _CONST_VALUES[id(a)] = values
         mx.eval(a)
     return a
+
+
+_CONST_VALUES: dict = {}  # id of a `_const` array -> its values (no device read-back)
+
+
+def _const_values(a: mx.array) -> tuple:
+    """The values a `_const` array was made from."""
+    return _CONST_VALUES[id(a)]
 
 def attend_launch(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, *,
                   scale, bits, group_size, warps=WARPS, sms=None, step_tokens=STEP_TOKENS,
@@ -1298,7 +1329,7 @@ def attend_launch(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_
     i32 = lambda a: a if a.dtype == mx.int32 else a.astype(mx.int32)  # noqa: E731
     tail_splits = -(-rg // tail_rows) if tail_rows else 1
     meta = [i32(block_tables), i32(num_blocks), i32(slots), i32(tail_lens),
-            _const((max(mb, 1), bps, nsplit, rg, tail_splits), mx.int32),
+            _const((max(mb, 1), bps, nsplit, rg, tail_splits, 0), mx.int32),  # [5]: see AttendPlan
             _const((float(scale) * LOG2E,), mx.float32)]
     nsu = nsplit + tail_splits
     split = dict(
@@ -1397,7 +1428,7 @@ class AttendPlan:
     for every layer (H200: 66 -> 21 us build per layer, docs/benchmarks.md).
     """
 
-    __slots__ = ("split", "split_kw", "merge_kw", "meta", "params")
+    __slots__ = ("split", "split_kw", "merge_kw", "meta", "meta_new", "params")
 
     def __init__(self, q_shape, q_dtype, pool: KiviPool, block_tables, num_blocks, slots,
                  tail_lens, *, scale: float, bits: int, group_size: int):
@@ -1409,12 +1440,15 @@ class AttendPlan:
             q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, scale=scale,
             bits=bits, group_size=group_size, step_tokens=MMA_STEP_TOKENS if mma else STEP_TOKENS)
         self.params = self.meta[4]
+        # The same launch, with params[5] = 1: the new token comes with the call.
+        self.meta_new = [*self.meta[:4], _const(_const_values(self.params)[:5] + (1,), mx.int32), self.meta[5]]
         template, merge_template = attend_templates(q_dtype, pool, bits=bits,
                                                     group_size=group_size, rep=rep)
         self.split_kw["template"] = template
         if mma:
             min_blocks = int(os.environ.get(MIN_BLOCKS_ENV, MMA_MIN_BLOCKS))
-            dtypes = [q_dtype, *(a.dtype for a in pool), *(a.dtype for a in self.meta)]
+            dtypes = [q_dtype, *(a.dtype for a in pool), *(a.dtype for a in self.meta),
+                      pool.tail_k.dtype, pool.tail_v.dtype]
             self.split = _mma_kernel(template, dtypes, min_blocks)
         else:
             self.split = ATTEND_KERNEL
@@ -1427,8 +1461,18 @@ class AttendPlan:
             output_dtypes=[q_dtype],
         )
 
-    def __call__(self, q: mx.array, pool: KiviPool) -> mx.array:
-        part_acc, part_ml = self.split(inputs=[q, *pool, *self.meta], **self.split_kw)
+    def __call__(self, q: mx.array, pool: KiviPool, k_new: mx.array | None = None,
+                 v_new: mx.array | None = None) -> mx.array:
+        """Attention of q over `pool`. With `k_new`, `v_new` ([B, H_kv, D] or the
+        model's [B, H_kv, 1, D], the step's new token, in the pool's dtype) the tail's
+        last row (tail_lens - 1) is read from them and written into the pool by the
+        kernel (KIVI_TAIL_CHUNK): the caller writes no tail. Without them that row must
+        already hold the token."""
+        if k_new is None:
+            inputs = [q, *pool, *self.meta, pool.tail_k, pool.tail_v]  # never read: params[5] = 0
+        else:
+            inputs = [q, *pool, *self.meta_new, k_new, v_new]
+        part_acc, part_ml = self.split(inputs=inputs, **self.split_kw)
         return MERGE_KERNEL(inputs=[part_acc, part_ml, self.params], **self.merge_kw)[0]
 
 

@@ -100,7 +100,7 @@ def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
     bf, u8, f32, i32 = mx.bfloat16, mx.uint8, mx.float32, mx.int32
     pool = list(zip(kivi_cuda.POOL_NAMES, [u8, bf, bf, u8, bf, bf, bf, bf]))
     attend_in = [("q", bf), *pool, ("block_tables", i32), ("num_blocks", i32), ("slots", i32),
-                 ("tail_lens", i32), ("params", i32), ("qscale_in", f32)]
+                 ("tail_lens", i32), ("params", i32), ("qscale_in", f32), ("k_new", bf), ("v_new", bf)]
     attend_out = [("part_acc", f32), ("part_ml", f32)]
     cases = [
         ("split_mma", attend_in, attend_out,

@@ -285,8 +285,10 @@ def test_step_plan_cuts_the_tail_into_row_splits_and_sizes_the_merge():
                                               dtype=mx.float16)
     plan = kivi_cuda.AttendPlan(q.shape, q.dtype, pool, table, nb, slots, tl, scale=0.1, bits=4,
                                 group_size=32)
-    mb, bps, nsplit, rg, tail_splits = np.array(plan.params).tolist()
+    mb, bps, nsplit, rg, tail_splits, new_token = np.array(plan.params).tolist()
     assert (rg, tail_splits) == (R + 32, -(-(R + 32) // kivi_cuda.TAIL_ROWS))
+    # params[5]: whether the new token comes with the launch (and is written by it).
+    assert new_token == 0 and np.array(plan.meta_new[4]).tolist() == [mb, bps, nsplit, rg, tail_splits, 1]
     assert bps == 1 and nsplit == mb == table.shape[1]  # B = 1: one block per split
     nsu = nsplit + tail_splits
     assert plan.split_kw["output_shapes"][0] == (1, 8, nsu, 4, 128)
@@ -442,6 +444,51 @@ def test_growing_lengths_do_not_recompile():
     assert max(later) < 0.05, f"a later call took {max(later) * 1e3:.1f} ms: recompiled?"
     plans = {kivi_cuda.split_plan(2, 8, n, 32) for n in range(1, 53)}
     assert len(plans) > 3  # the grid really changed along the way
+
+
+# ---- the new token with the launch ----------------------------------------------------
+
+@pytest.mark.parametrize("bits", [2, 4, 8])  # 8 bits: the CUDA-core kernel under "auto" too
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_new_token_with_the_launch_equals_a_written_tail(bits, dtype, split_kernel):
+    """plan(q, pool, k_new, v_new) (the engine's decode step on CUDA) gives the same
+    output, bit for bit, as the same plan over a tail the token was scattered into,
+    and leaves the same tails. The stale row it replaces is NaN, so a read of it
+    instead of k_new / v_new shows; tail lengths put the new row at the start, the
+    middle and the end of a 32-row tail chunk."""
+    if _backend() is not kivi_cuda:
+        pytest.skip("only the CUDA plan takes the new token (Metal reads a written tail)")
+    rng = np.random.default_rng(bits * 3 + (dtype == mx.bfloat16))
+    lens = [(3, 1), (0, 31), (2, 32), (5, 33), (1, R + 31), (0, 64), (4, 96)]
+    h_kv, d = 2, 128
+    q, pool, table, nb, slots, tl = make_case(rng, lens=lens, h_kv=h_kv, rep=4, d=d, bits=bits, dtype=dtype)
+    b = len(lens)
+    new = [mx.array(rng.normal(size=(b, h_kv, 1, d)).astype(np.float32)).astype(dtype) for _ in range(2)]
+    shape = (b, h_kv, 1)
+    index = (mx.broadcast_to(slots[:, None, None], shape),
+             mx.broadcast_to(mx.arange(h_kv, dtype=mx.int32)[None, :, None], shape),
+             mx.broadcast_to((tl - 1)[:, None, None], shape))
+
+    def copy(p):
+        return KiviPool(*(a + mx.zeros_like(a) for a in p))
+
+    written, fresh = copy(pool), copy(pool)
+    written.tail_k[index] = new[0]
+    written.tail_v[index] = new[1]
+    fresh.tail_k[index] = mx.full(new[0].shape, np.nan, dtype=dtype)  # stale rows
+    fresh.tail_v[index] = mx.full(new[1].shape, np.nan, dtype=dtype)
+    mx.eval(*written, *fresh)
+    plan = kivi_cuda.AttendPlan(q.shape, q.dtype, pool, table, nb, slots, tl, scale=0.1, bits=bits,
+                                group_size=32)
+    expected = plan(q, written)
+    got = plan(q, fresh, *new)
+    mx.eval(expected, got)
+    assert not np.isnan(to_np(got)).any()
+    assert mx.array_equal(got, expected).item()
+    for name in ("tail_k", "tail_v"):
+        assert np.array_equal(to_np(getattr(fresh, name)), to_np(getattr(written, name)), equal_nan=True), name
 
 
 # ---- flush ----------------------------------------------------------------------------
