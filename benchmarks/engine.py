@@ -8,6 +8,7 @@ so kiviq is compared with its own fp16 serial engine on the first prompt
 and with BatchGenerator on all (first-divergence index).
 
     python benchmarks/engine.py --shape qwen3-4b --batch 1 32 --context 512 4096 --gen 64
+    python benchmarks/engine.py --model smollm2 --batch 1 8 32 --context 512 4096 --gen 64
 """
 
 from __future__ import annotations
@@ -157,6 +158,9 @@ def first_divergence(a: list[int], b: list[int]) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-4b", choices=sorted(SHAPES))
+    p.add_argument("--model", default=None,
+                   help="real weights instead of --shape: a model path, or 'smollm2' for the packaged "
+                        "SmolLM2-135M-Instruct (engine.model_loading.load)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--quantize", type=int, default=None, help="quantize weights to this many bits")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
@@ -176,12 +180,18 @@ def main() -> None:
     args = p.parse_args()
     if not mx.metal.is_available() and not (hasattr(mx, "cuda") and mx.cuda.is_available()):
         print("note: no GPU backend; CPU numbers are not the target of this benchmark", file=sys.stderr)
-    model = random_model(args.shape, getattr(mx, args.dtype), args.quantize)
-    print(f"# {args.shape} random weights, {args.dtype}, weights {args.quantize or 'unquantized'}; "
-          f"greedy, {args.gen} new tokens; repeats {args.repeats} (min/median/max of decode tok/s)")
+    if args.model:
+        from engine.model_loading import load
+        model = load(None if args.model == "smollm2" else args.model)[0]
+        vocab = model.args.vocab_size
+        what = f"{args.model} real weights, as engine.model_loading loads them"
+    else:
+        model = random_model(args.shape, getattr(mx, args.dtype), args.quantize)
+        vocab = SHAPES[args.shape]["vocab_size"]
+        what = f"{args.shape} random weights, {args.dtype}, weights {args.quantize or 'unquantized'}"
+    print(f"# {what}; greedy, {args.gen} new tokens; repeats {args.repeats} (min/median/max of decode tok/s)")
     print("| B | context | arm | decode tok/s (min/med/max) | TTFT all s (med) | peak GB | agreement vs batchgen |")
     print("|---|---|---|---|---|---|---|")
-    vocab = SHAPES[args.shape]["vocab_size"]
     for b in args.batch:
         for ctx in args.context:
             arms = [("batchgen", lambda ps: run_batchgen(model, ps, args.gen))]
