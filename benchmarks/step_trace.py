@@ -148,7 +148,7 @@ class Arm:
         self.flushes: list[int] = []
         self.times: list[float] = []
         self.flushed: list[bool] = []  # per timed step: did a tail flush in it
-        self.peak_growth = 0  # bytes: the most any timed block's peak rose above its start
+        self.growth: list[int] = []  # per timed step: bytes its peak rose above the memory active at its start
         self.history: list[list[int]] = []
 
     def build(self, args, model, prompts) -> None:
@@ -172,20 +172,22 @@ class Arm:
     def timed_steps(self, n: int) -> None:
         with self.environment():
             mx.synchronize()
-            base = mx.get_active_memory()
-            mx.reset_peak_memory()
             for _ in range(n):
                 flushes = len(self.flushes)
+                # Memory a step allocates beyond what was active at its start: a write
+                # that could not happen in place copies a whole layer's tails (or pool).
+                # Pipelined, the peak may be reached while the next step is built, so a
+                # step's growth also holds the overlap of two steps' working memory.
+                base = mx.get_active_memory()
+                mx.reset_peak_memory()
                 t0 = time.perf_counter()
                 self._step()
                 if not self.pipelined:
                     mx.synchronize()
                 self.times.append(time.perf_counter() - t0)
+                self.growth.append(mx.get_peak_memory() - base)
                 self.flushed.append(len(self.flushes) > flushes)
             mx.synchronize()
-            # Memory a step allocates beyond what it frees: a write that could not
-            # happen in place copies a whole layer's tails (or pool) transiently.
-            self.peak_growth = max(self.peak_growth, mx.get_peak_memory() - base)
 
     @property
     def label(self) -> str:
@@ -312,13 +314,15 @@ def report(arms: list[Arm], args) -> None:
         flushed = (f"{len(arm.flushes)} ({sum(arm.flushes)} tails)" if arm.name == "kiviq" else "-")
         split = [[t * 1e3 for t, f in zip(arm.times, arm.flushed) if f == want] for want in (True, False)]
         split = " / ".join(f"{statistics.fmean(x):.2f}" if x else "-" for x in split)
+        growth = [[g / 2**20 for g, f in zip(arm.growth, arm.flushed) if f == want] for want in (True, False)]
+        growth = " / ".join(f"{max(x):.0f}" if x else "-" for x in growth)
         rows.append([arm.label, len(ms), f"{ms[0]:.2f} / {statistics.median(ms):.2f} / {mean:.2f} / {ms[-1]:.2f}",
-                     f"{args.batch / mean * 1e3:.0f}", flushed, split, f"{arm.peak_growth / 2**20:.0f}",
-                     f"{same} / {len(pairs)}", digest])
+                     f"{args.batch / mean * 1e3:.0f}", flushed, split, growth, f"{same} / {len(pairs)}", digest])
     print(f"{args.shape}, {args.dtype}, B={args.batch}, context {args.context}, {args.rounds} round(s) of "
           f"{args.steps} steps per arm, arms interleaved (first arm rotating)\n")
     print(table(["arm", "steps", "step ms min / median / mean / max", "tok/s (mean)", "steps that flushed",
-                 "mean ms: flushing / other steps", "peak MiB over start", "tokens = first arm's",
+                 "mean ms: flushing / other steps", "max MiB over step start: flushing / other",
+                 "tokens = first arm's",
                  "digest of all tokens"], rows))
 
 

@@ -14,10 +14,11 @@ layer's pool arrays, which come back as outputs: where the tail writes are
 scatters (the reference, Metal) those are new arrays, updated in place as in
 the plain path, since the store drops the old arrays before the step is
 evaluated; on CUDA the attention kernel writes the tails itself
-(``KiviStore.write_and_attend``) and the outputs are the inputs. The attention's launch plan is made
-from shapes alone (``kernels.kivi_cuda.split_plan``), so it is fixed for a
-trace; ``mx.compile`` retraces whenever an input's shape changes, i.e. when
-the batch size or the block-table width changes.
+(``KiviStore.write_and_attend``) and the outputs are the inputs. The
+attention's launch plan is made from shapes alone
+(``kernels.kivi_cuda.split_plan``), so it is fixed for a trace;
+``mx.compile`` retraces whenever an input's shape changes, i.e. when the
+batch size or the block-table width changes.
 
 A trace costs a plain build plus the compile passes, so a shape is only
 compiled once it repeats: the first step of a new (batch size, table width)
