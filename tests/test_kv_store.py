@@ -233,3 +233,60 @@ def test_token_write_does_not_copy_the_pool():
     large_t, large_mem = _update_cost(slots=64)  # tails: 2 x 64 x 8 x 160 x 128 x 2 B = 40 MiB
     assert large_mem < 1 << 20, f"a token write allocated {large_mem} bytes"
     assert large_t < 8 * small_t + 1e-3, (small_t, large_t)
+
+
+def test_flush_waits_unless_the_attention_writes_the_tails_and_scatters_settle_first(monkeypatch):
+    """The flush of a step may be left running on the device only after a step whose
+    attention wrote the tails itself (the CUDA kernel: no scatter follows); the next
+    scatter into the pools (a token write by scatter, a prefill) then waits for it
+    first, once. On CPU the reference path scatters, so the flush always waits."""
+    import engine.kv_store as kv_store_module
+
+    g, r = 16, 32
+    store = make_store(4, g, r, slots=3, layers=2)
+    seqs = [store.new_sequence() for _ in range(2)]
+    for layer in range(2):
+        for s in seqs:
+            store.append(layer, s, mx.zeros((H_KV, r + g - 1, D)), mx.zeros((H_KV, r + g - 1, D)))
+    waits, syncs, in_flush = [], [], [False]
+    real_flush, real_sync = kv_store_module.flush_layers, mx.synchronize
+
+    def flush(*a, wait=True, **kw):
+        waits.append(wait)
+        in_flush[0] = True
+        try:
+            real_flush(*a, wait=wait, **kw)
+        finally:
+            in_flush[0] = False
+
+    def sync(*a):  # count the store's own waits, not the flush's
+        if not in_flush[0]:
+            syncs.append(1)
+        real_sync(*a)
+
+    monkeypatch.setattr(kv_store_module, "flush_layers", flush)
+    monkeypatch.setattr(mx, "synchronize", sync)
+
+    def step(kernel_wrote_last_step: bool):
+        store._kernel_writes_tails = kernel_wrote_last_step
+        batch = store.begin_decode(seqs)  # both tails are full: a flush
+        new = mx.zeros((2, H_KV, 1, D))
+        for layer in range(2):
+            store.write_and_attend(layer, batch, mx.zeros((2, 4, 1, D)), new, new, 0.1)
+            writes.append(len(syncs))  # the store's waits before this layer's token scatter
+        mx.eval(store.pools)
+        for s in seqs:  # refill the tails to the brink for the next step
+            for layer in range(2):
+                store.append(layer, s, mx.zeros((H_KV, g - 1, D)), mx.zeros((H_KV, g - 1, D)))
+
+    writes = []
+    step(kernel_wrote_last_step=False)
+    assert waits == [True] and syncs == [] and writes == [0, 0]
+    # After a kernel-written step the flush runs on; this step scatters (CPU), so its
+    # first token write waits, once; the prefill after it finds nothing to wait for.
+    step(kernel_wrote_last_step=True)
+    assert waits == [True, False] and writes == [0, 0, 1, 1] and syncs == [1]
+    assert store._unsettled is False
+    store._unsettled = True  # a flush left running before a prefill: the prefill waits
+    store.append(0, store.new_sequence(), mx.zeros((H_KV, 3, D)), mx.zeros((H_KV, 3, D)))
+    assert syncs == [1, 1] and store._unsettled is False
