@@ -116,7 +116,8 @@ class DecodeBatch:
     # per tail with prepared indices (numpy-style mixed indexing rebuilt them per layer)
     # of the model's [B, H_kv, 1, D] rows as they come.
     write_index: tuple[mx.array, mx.array, mx.array]
-    # The attention launch of this step (dispatch.attend_plan), made by the first layer.
+    # The attention launch of this step (dispatch.attend_plan), made by the first
+    # layer, with whether it writes the tails itself (dispatch.writes_tail).
     plans: dict = field(default_factory=dict)
 
 
@@ -386,7 +387,7 @@ class KiviStore:
         Returns:
             q's shape.
         """
-        return self._plan(layer, batch, q, scale)(q, self.pools[layer])
+        return self._plan(layer, batch, q, scale)[0](q, self.pools[layer])
 
     def write_and_attend(self, layer: int, batch: DecodeBatch, q: mx.array, k: mx.array, v: mx.array,
                          scale: float) -> mx.array:
@@ -401,23 +402,24 @@ class KiviStore:
         Returns:
             q's shape.
         """
-        plan = self._plan(layer, batch, q, scale)
+        plan, self._kernel_writes_tails = self._plan(layer, batch, q, scale)
         pool = self.pools[layer]
-        self._kernel_writes_tails = writes_tail(plan)
         if self._kernel_writes_tails:
             return plan(q, pool, _as(k, pool.tail_k.dtype), _as(v, pool.tail_v.dtype))
         self.write_decode(layer, batch, k, v)
         return plan(q, pool)
 
     def _plan(self, layer: int, batch: DecodeBatch, q: mx.array, scale: float):
-        """The step's attention launch plan (made by the first layer, shared by the rest)."""
+        """(the step's attention launch plan, whether it writes the tails): made by the
+        first layer, shared by the rest."""
         key = (q.shape, q.dtype, scale)
-        plan = batch.plans.get(key)
-        if plan is None:
-            plan = batch.plans[key] = attend_plan(
+        made = batch.plans.get(key)
+        if made is None:
+            plan = attend_plan(
                 q.shape, q.dtype, self.pools[layer], batch.block_tables, batch.num_blocks, batch.slots,
                 batch.tail_lens, scale=scale, bits=self.config.bits, group_size=self.config.group_size)
-        return plan
+            made = batch.plans[key] = (plan, writes_tail(plan))
+        return made
 
     def dense_past(self, layer: int, seq: SequenceKV) -> tuple[mx.array, mx.array]:
         """The sequence's committed K and V in ``layer`` as [H_kv, S, D] (blocks
