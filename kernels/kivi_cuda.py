@@ -1538,24 +1538,28 @@ def flush_apply(pool: KiviPool, slots, ids, rows_k, rows_v, quantized, group_siz
     return pool
 
 
-def _new_blocks_launch(pool: KiviPool, n: int, *, bits, group_size):
-    """(launch, template) of a flush kernel that writes n new blocks: one thread block
-    per (new block, kv head) of D threads, and the six block arrays as outputs."""
+def _flush_template(pool: KiviPool, *, bits, group_size) -> list:
+    """The compile-time constants of both flush kernels."""
+    return [("SD", pool.k_scales.dtype), ("D", pool.tail_k.shape[-1]), ("G", group_size), ("BITS", bits)]
+
+
+def flush_launch(pool: KiviPool, rows_k, *, bits, group_size):
+    """(launch, template, params) of the gather flush kernel (FLUSH_SOURCE) for n
+    entries of rows, rows_k [n, H_kv, T, D] (each entry's first G rows become a new
+    block): one thread block per (new block, kv head) of D threads, and the six block
+    arrays as outputs."""
+    n = rows_k.shape[0]
     _, h_kv, _, d = pool.tail_k.shape
     g, p = group_size, 8 // bits
     sd = pool.k_scales.dtype
-    return dict(
+    launch = dict(
         grid=(n * h_kv * d, 1, 1),
         threadgroup=(d, 1, 1),
         output_shapes=[(n, h_kv, d, g // p), (n, h_kv, d), (n, h_kv, d),
                        (n, h_kv, g, d // p), (n, h_kv, g, d // g), (n, h_kv, g, d // g)],
         output_dtypes=[mx.uint8, sd, sd, mx.uint8, sd, sd],
-    ), [("SD", sd), ("D", d), ("G", g), ("BITS", bits)]
-
-
-def flush_launch(pool: KiviPool, rows_k, *, bits, group_size):
-    """Launch arguments of the flush kernel (minus inputs' rows and template)."""
-    launch, template = _new_blocks_launch(pool, rows_k.shape[0], bits=bits, group_size=group_size)
+    )
+    template = _flush_template(pool, bits=bits, group_size=group_size)
     return launch, template, _const((rows_k.shape[2],), mx.int32)
 
 
@@ -1568,7 +1572,7 @@ def fused_flush(pool: KiviPool, slots: mx.array, ids: mx.array, *, bits, group_s
     _, h_kv, rg, d = pool.tail_k.shape
     return FLUSH_FUSED_KERNEL(
         inputs=[*pool, slots, ids, _const((rg, h_kv, k), mx.int32)],
-        template=[("SD", pool.k_scales.dtype), ("D", d), ("G", group_size), ("BITS", bits)],
+        template=_flush_template(pool, bits=bits, group_size=group_size),
         grid=(f * h_kv * d, 1, 1), threadgroup=(d, 1, 1),
         output_shapes=[(1,)], output_dtypes=[mx.int32])[0]
 
