@@ -118,7 +118,8 @@ def make_model(args):
 
 class Arm:
     """One configuration under test, from ``--arm NAME[,KEY=VALUE...]``: kiviq
-    (keys ``flush_blocks``, ``flush`` = gather or fused, ``bits``, ``pipeline``,
+    (keys ``flush_blocks``, ``flush`` = gather or fused, ``tail`` = scatter or kernel
+    (KIVIQ_TAIL_WRITE), ``bits``, ``pipeline``,
     ``compile``: decode steps through mx.compile, engine.compiled_decode,
     ``table``: KiviStore.table_width_multiple, ``slots``: the store's tails),
     mlxlm (key ``pipeline``: mlx-lm's own ``generate_step``, which builds step
@@ -140,8 +141,9 @@ class Arm:
                  "mlxlm": {"pipeline"},
                  "batchgen": set()}
         if name not in known or set(self.opts) - known[name]:
-            raise SystemExit(f"--arm {spec}: expected kiviq[,flush_blocks=K][,flush=gather|fused][,tail=scatter|kernel][,bits=B]"
-                             "[,pipeline=1][,compile=1][,table=N][,slots=N], mlxlm[,pipeline=1] or batchgen")
+            raise SystemExit(f"--arm {spec}: expected kiviq[,flush_blocks=K][,flush=gather|fused]"
+                             "[,tail=scatter|kernel][,bits=B][,pipeline=1][,compile=1][,table=N][,slots=N], "
+                             "mlxlm[,pipeline=1] or batchgen")
         self.pipelined = self.opts.get("pipeline", "0") == "1"
         self.env = {env: self.opts[opt] for opt, env in (("flush", kivi_cuda.FLUSH_KERNEL_ENV),
                                                         ("tail", dispatch.TAIL_WRITE_ENV)) if opt in self.opts}
@@ -312,18 +314,22 @@ def report(arms: list[Arm], args) -> None:
         same = sum(a == b for a, b in pairs)
         digest = hashlib.sha1(repr(arm.history).encode()).hexdigest()[:10]
         flushed = (f"{len(arm.flushes)} ({sum(arm.flushes)} tails)" if arm.name == "kiviq" else "-")
-        split = [[t * 1e3 for t, f in zip(arm.times, arm.flushed) if f == want] for want in (True, False)]
-        split = " / ".join(f"{statistics.fmean(x):.2f}" if x else "-" for x in split)
-        growth = [[g / 2**20 for g, f in zip(arm.growth, arm.flushed) if f == want] for want in (True, False)]
-        growth = " / ".join(f"{max(x):.0f}" if x else "-" for x in growth)
+        split = _flushing_and_other([t * 1e3 for t in arm.times], arm.flushed, statistics.fmean, "{:.2f}")
+        growth = _flushing_and_other([g / 2**20 for g in arm.growth], arm.flushed, max, "{:.0f}")
         rows.append([arm.label, len(ms), f"{ms[0]:.2f} / {statistics.median(ms):.2f} / {mean:.2f} / {ms[-1]:.2f}",
                      f"{args.batch / mean * 1e3:.0f}", flushed, split, growth, f"{same} / {len(pairs)}", digest])
     print(f"{args.shape}, {args.dtype}, B={args.batch}, context {args.context}, {args.rounds} round(s) of "
           f"{args.steps} steps per arm, arms interleaved (first arm rotating)\n")
     print(table(["arm", "steps", "step ms min / median / mean / max", "tok/s (mean)", "steps that flushed",
                  "mean ms: flushing / other steps", "max MiB over step start: flushing / other",
-                 "tokens = first arm's",
-                 "digest of all tokens"], rows))
+                 "tokens = first arm's", "digest of all tokens"], rows))
+
+
+def _flushing_and_other(values: list[float], flushed: list[bool], summary, fmt: str) -> str:
+    """'flushing / other': ``summary`` of the values of steps in which a tail
+    flushed, then of the rest ('-' where there are none)."""
+    parts = [[v for v, f in zip(values, flushed) if f == want] for want in (True, False)]
+    return " / ".join(fmt.format(summary(x)) if x else "-" for x in parts)
 
 
 def main() -> None:
