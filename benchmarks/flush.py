@@ -77,13 +77,16 @@ def base_flush(module):
     return flush
 
 
-def tree_flush(kernel: str):
-    def flush(pools, slots, ids, lens):
-        with mock.patch.dict(os.environ, {kivi_cuda.FLUSH_KERNEL_ENV: kernel}):
-            dispatch.flush_layers(pools, slots, ids, lens, bits=BITS, group_size=G, use_kernel=True)
-        mx.eval(pools)  # nothing pending with the fused kernel; the gather path's scatters
-        mx.synchronize()
-    return flush
+def tree_flush(pools, slots, ids, lens):
+    """This tree's flush, the kernel chosen by KIVIQ_FLUSH_KERNEL (ENVS)."""
+    dispatch.flush_layers(pools, slots, ids, lens, bits=BITS, group_size=G, use_kernel=True)
+    mx.eval(pools)  # nothing pending with the fused kernel; the gather path's scatters
+    mx.synchronize()
+
+
+# Each arm's environment, set around its calls outside the timed region.
+ENVS = {"fused": {kivi_cuda.FLUSH_KERNEL_ENV: "fused"}, "fused_again": {kivi_cuda.FLUSH_KERNEL_ENV: "fused"},
+        "gather": {kivi_cuda.FLUSH_KERNEL_ENV: "gather"}, "base": {}}
 
 
 def ms(ts: list[float]) -> str:
@@ -98,7 +101,7 @@ def main() -> None:
     args = p.parse_args()
     if kivi_cuda.FLUSH_FUSED_KERNEL is None:
         raise SystemExit("needs MLX's CUDA backend")
-    arms = {"fused": tree_flush("fused"), "fused_again": tree_flush("fused"), "gather": tree_flush("gather")}
+    arms = {"fused": tree_flush, "fused_again": tree_flush, "gather": tree_flush}
     if args.base:
         from benchmarks.kernel_ab import load_base
         arms["base"] = base_flush(load_base(args.base))
@@ -111,7 +114,8 @@ def main() -> None:
         # 1. outputs: the same flush on identical pools.
         for name in arms:
             pools[name] = make_pools(num_blocks, seed=f)
-            arms[name](pools[name], list(range(f)), list(range(f)), lens)
+            with mock.patch.dict(os.environ, ENVS[name]):
+                arms[name](pools[name], list(range(f)), list(range(f)), lens)
         ref = pools["fused"]
         same = all(mx.array_equal(a, b).item() for name in arms for pa, pb in zip(ref, pools[name])
                    for a, b in zip(pa, pb))
@@ -126,11 +130,13 @@ def main() -> None:
                 slots = list(dict.fromkeys(slots))
                 ids = list(range(next_block[name], next_block[name] + len(slots)))
                 next_block[name] += len(slots)
-                mx.synchronize()
-                t0 = time.perf_counter()
-                arms[name](pools[name], slots, ids, lens[: len(slots)])
+                with mock.patch.dict(os.environ, ENVS[name]):
+                    mx.synchronize()
+                    t0 = time.perf_counter()
+                    arms[name](pools[name], slots, ids, lens[: len(slots)])
+                    elapsed = time.perf_counter() - t0
                 if rep > 0:  # the first round compiles
-                    times[name].append(time.perf_counter() - t0)
+                    times[name].append(elapsed)
         med = {n: statistics.median(t) for n, t in times.items()}
         for name in names:
             rows.append([f, name, ms(times[name]), f"{med[name] / med['fused']:.2f}", "yes" if same else "NO"])
