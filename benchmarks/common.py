@@ -96,7 +96,7 @@ def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bi
                              slack_blocks=1)
     engine = build_engine(model, tokenizer, kv_bits=bits, kv_flush_blocks=flush_blocks, max_sequences=slots,
                           kv_memory=kv_bytes, max_batch_tokens=budget, compile_decode=compile_decode,
-                          pipeline=pipeline)
+                          pipeline=pipeline, flat_qmm=False)  # an arm that wants it flattens the model itself
     for i, p in enumerate(prompts):
         engine.add(Request(str(i), p, gen))
     while engine.stats["prefill_tokens"] < prompt_tokens:

@@ -14,6 +14,7 @@ and with BatchGenerator on all (first-divergence index).
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from mlx_lm.utils import _get_classes  # noqa: E402
 
 from benchmarks.common import kv_budget  # noqa: E402
 from engine import Request, build_engine  # noqa: E402
+from engine.flat_quantized import flat_quantized_matmuls  # noqa: E402
 from engine.kivi_cache import attention_shape  # noqa: E402
 
 SHAPES = {
@@ -90,7 +92,8 @@ def run_kiviq(model, prompts, gen, bits, flush_blocks=1, plain=False):
     budget = kivi_budget(model, bits, len(prompts), len(prompts[0]) + gen, flush_blocks)
     engine = build_engine(model, IdTokenizer(), kv_bits=bits, kv_flush_blocks=flush_blocks,
                           max_sequences=len(prompts), kv_memory=budget, max_batch_tokens=8192,
-                          compile_decode=not plain, pipeline=not plain)
+                          compile_decode=not plain, pipeline=not plain,
+                          flat_qmm=False)  # a -flat arm flattens the shared model for its run only
     out = {i: [] for i in range(len(prompts))}
     mx.synchronize()
     t0 = time.perf_counter()
@@ -148,6 +151,14 @@ def run_single(model, prompt, gen):
     return {0: toks}, first - t0, (len(toks) - 1) / (t1 - first), mx.get_peak_memory()
 
 
+def flat_arm(model, fn):
+    """`fn` run with `model`'s quantized matmuls flattened (restored after)."""
+    def run(prompts):
+        with flat_quantized_matmuls(model):
+            return fn(prompts)
+    return run
+
+
 def first_divergence(a: list[int], b: list[int]) -> int:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -161,7 +172,7 @@ def main() -> None:
     p.add_argument("--model", default=None,
                    help="real weights instead of --shape: a model path, or 'smollm2' for the packaged "
                         "SmolLM2-135M-Instruct (engine.model_loading.load)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--quantize", type=int, default=None, help="quantize weights to this many bits")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--context", type=int, nargs="+", default=[512, 4096])
@@ -175,6 +186,9 @@ def main() -> None:
                    help="skip an arm whose KV cache would need more than this")
     p.add_argument("--plain-arm", action="store_true",
                    help="also run kiviq 4-bit with plain decode steps (not compiled, not pipelined)")
+    p.add_argument("--flat-qmm", action="store_true",
+                   help="also run batchgen and each kiviq arm with the model's quantized matmuls over all "
+                        "rows at once (engine.flat_quantized), as arms named <arm>-flat")
     p.add_argument("--arms", nargs="+", default=None,
                    help="subset of arms: batchgen kiviq-4bit kiviq-2bit single")
     args = p.parse_args()
@@ -200,6 +214,8 @@ def main() -> None:
                      for k in args.bits for fb in args.flush_blocks]
             if args.plain_arm:
                 arms.append(("kiviq-4bit-plain", lambda ps: run_kiviq(model, ps, args.gen, 4, plain=True)))
+            if args.flat_qmm:
+                arms += [(f"{name}-flat", flat_arm(model, fn)) for name, fn in arms if "plain" not in name]
             if b == 1:
                 arms.append(("mlx-lm single", lambda ps: run_single(model, ps[0], args.gen)))
             if args.arms:
@@ -223,23 +239,44 @@ def main() -> None:
                 mx.clear_cache()
             results = {name: [] for name, _ in arms}
             tokens = {}
+            failed = {}  # arm -> why it stopped (out of device memory)
             for rep in range(args.repeats):  # arms interleaved, fresh prompts each repeat
                 key = mx.random.key(1000 * rep + b * 7 + ctx)
                 prompts = mx.random.randint(0, vocab, (b, ctx), key=key).tolist()
                 for name, fn in arms:
+                    if name in failed:
+                        continue
                     mx.reset_peak_memory()
-                    out, ttft, tps, peak = fn(prompts)
+                    try:
+                        out, ttft, tps, peak = fn(prompts)
+                    except RuntimeError as e:
+                        if "out of memory" not in str(e):
+                            raise
+                        # A system that cannot hold the batch is a result, not a crash:
+                        # the other arms still run.
+                        failed[name] = f"out of device memory (peak {mx.get_peak_memory() / 1e9:.0f} GB)"
+                    if name in failed:  # outside the handler: its traceback holds the arm's arrays
+                        gc.collect()
+                        mx.clear_cache()
+                        continue
                     results[name].append((tps, ttft, peak))
                     tokens.setdefault(name, out)
                     mx.clear_cache()
-            ref = tokens.get("batchgen") or tokens[arms[0][0]]
+            for name, why in failed.items():
+                print(f"| {b} | {ctx} | {name} | failed: {why} | - | - | - |", flush=True)
+            arms = [(n, f) for n, f in arms if n not in failed]
+            if not arms:
+                continue
+            ref_name = "batchgen" if "batchgen" in tokens else arms[0][0]
+            ref = tokens[ref_name]
+            vs = "" if ref_name == "batchgen" else f" (vs {ref_name})"
             for name, _ in arms:
                 tps = sorted(r[0] for r in results[name])
                 ttft = sorted(r[1] for r in results[name])[len(results[name]) // 2]
                 peak = max(r[2] for r in results[name]) / 1e9
                 agree = sum(first_divergence(tokens[name][i], ref[i]) for i in ref) / len(ref)
                 print(f"| {b} | {ctx} | {name} | {tps[0]:.0f} / {tps[len(tps) // 2]:.0f} / {tps[-1]:.0f} | "
-                      f"{ttft:.2f} | {peak:.1f} | mean first divergence {agree:.1f} of {args.gen} |", flush=True)
+                      f"{ttft:.2f} | {peak:.1f} | mean first divergence {agree:.1f} of {args.gen}{vs} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import hashlib
 import json
 import os
@@ -55,6 +56,7 @@ import engine.kv_store as kv_store_module  # noqa: E402
 from kernels import dispatch, kivi_cuda  # noqa: E402
 from benchmarks.common import command, machine, prefilled_engine, table  # noqa: E402
 from benchmarks.engine import SHAPES, IdTokenizer, random_model  # noqa: E402
+from engine.flat_quantized import flat_quantized_matmuls  # noqa: E402
 
 DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -109,7 +111,7 @@ def print_host_profile(host, steps: int, top: int) -> None:
 
 
 def make_model(args):
-    model = random_model(args.shape, getattr(mx, args.dtype), None)
+    model = random_model(args.shape, getattr(mx, args.dtype), args.quantize)
     vocab = SHAPES[args.shape]["vocab_size"]
     prompts = [mx.random.randint(0, vocab, (args.context + i,), key=mx.random.key(i)).tolist()
                for i in range(args.batch)]
@@ -123,7 +125,9 @@ class Arm:
     ``compile``: decode steps through mx.compile, engine.compiled_decode,
     ``table``: KiviStore.table_width_multiple, ``slots``: the store's tails),
     mlxlm (key ``pipeline``: mlx-lm's own ``generate_step``, which builds step
-    n+1 while step n runs, as ``stream_generate`` does) or batchgen. A step runs
+    n+1 while step n runs, as ``stream_generate`` does) or batchgen. Any arm takes
+    ``flatqmm=1``: the model's quantized matmuls see all rows at once while this
+    arm builds and steps (engine.flat_quantized; with ``--quantize``). A step runs
     one decode step of every sequence; ``history`` holds every sequence's tokens
     so far (prefill and warm-up included), so arms are compared token by token.
 
@@ -140,11 +144,13 @@ class Arm:
         known = {"kiviq": {"flush_blocks", "flush", "tail", "bits", "pipeline", "compile", "table", "slots"},
                  "mlxlm": {"pipeline"},
                  "batchgen": set()}
-        if name not in known or set(self.opts) - known[name]:
+        if name not in known or set(self.opts) - known[name] - {"flatqmm"}:
             raise SystemExit(f"--arm {spec}: expected kiviq[,flush_blocks=K][,flush=gather|fused]"
                              "[,tail=scatter|kernel][,bits=B][,pipeline=1][,compile=1][,table=N][,slots=N], "
-                             "mlxlm[,pipeline=1] or batchgen")
+                             "mlxlm[,pipeline=1] or batchgen, each optionally with ,flatqmm=1")
         self.pipelined = self.opts.get("pipeline", "0") == "1"
+        self.flat_qmm = self.opts.get("flatqmm", "0") == "1"
+        self.model = None
         self.env = {env: self.opts[opt] for opt, env in (("flush", kivi_cuda.FLUSH_KERNEL_ENV),
                                                         ("tail", dispatch.TAIL_WRITE_ENV)) if opt in self.opts}
         self.flushes: list[int] = []
@@ -154,6 +160,7 @@ class Arm:
         self.history: list[list[int]] = []
 
     def build(self, args, model, prompts) -> None:
+        self.model = model
         with self.environment():
             if self.name == "kiviq":
                 self._step = engine_steps(args, model, prompts, self.flushes, self.history,
@@ -167,9 +174,13 @@ class Arm:
             else:
                 self._step = batchgen_steps(args, model, prompts, self.history)
 
+    @contextlib.contextmanager
     def environment(self):
-        """This arm's environment variables while it builds and steps."""
-        return mock.patch.dict(os.environ, self.env)
+        """This arm's environment variables (and flat quantized matmuls) while it
+        builds and steps."""
+        flat = flat_quantized_matmuls(self.model) if self.flat_qmm else contextlib.nullcontext()
+        with mock.patch.dict(os.environ, self.env), flat:
+            yield
 
     def timed_steps(self, n: int) -> None:
         with self.environment():
@@ -318,7 +329,8 @@ def report(arms: list[Arm], args) -> None:
         growth = _flushing_and_other([g / 2**20 for g in arm.growth], arm.flushed, max, "{:.0f}")
         rows.append([arm.label, len(ms), f"{ms[0]:.2f} / {statistics.median(ms):.2f} / {mean:.2f} / {ms[-1]:.2f}",
                      f"{args.batch / mean * 1e3:.0f}", flushed, split, growth, f"{same} / {len(pairs)}", digest])
-    print(f"{args.shape}, {args.dtype}, B={args.batch}, context {args.context}, {args.rounds} round(s) of "
+    weights = f"{args.quantize}-bit weights" if args.quantize else "unquantized weights"
+    print(f"{args.shape}, {args.dtype}, {weights}, B={args.batch}, context {args.context}, {args.rounds} round(s) of "
           f"{args.steps} steps per arm, arms interleaved (first arm rotating)\n")
     print(table(["arm", "steps", "step ms min / median / mean / max", "tok/s (mean)", "steps that flushed",
                  "mean ms: flushing / other steps", "max MiB over step start: flushing / other",
@@ -348,6 +360,7 @@ def main() -> None:
     p.add_argument("--flush-blocks", type=int, default=1, dest="flush_blocks",
                    help="kiviq: KIVI blocks quantized per flush (KVConfig.flush_blocks)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--quantize", type=int, default=None, help="quantize the weights to this many bits")
     p.add_argument("--trace", action="store_true", help="profile the timed steps with torch.profiler (CUDA)")
     p.add_argument("--host-profile", action="store_true", dest="host_profile",
                    help="profile the timed steps' host work with cProfile (Python functions and the "

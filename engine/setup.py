@@ -7,6 +7,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.batch_engine import Engine
+from engine.flat_quantized import flat_qmm_requested, flatten_quantized_matmuls
 from engine.kivi_cache import make_store
 from engine.kv_store import KVConfig
 from engine.serial_engine import SerialEngine
@@ -34,7 +35,8 @@ COMPILED_TABLE_COLUMNS = 32
 def build_engine(model: Any, tokenizer: Any, *, kv_bits: int = 4, kv_group_size: int = 32,
                  kv_residual: int = 128, kv_flush_blocks: int = 1, kv_memory: int | None = None,
                  max_sequences: int = 32, max_batch_tokens: int = 1024,
-                 compile_decode: bool | None = None, pipeline: bool = True) -> Engine | SerialEngine:
+                 compile_decode: bool | None = None, pipeline: bool = True,
+                 flat_qmm: bool | None = None) -> Engine | SerialEngine:
     """The continuous-batching engine over a KIVI store, or for ``kv_bits=16``
     the serial engine on mlx-lm's own fp16 cache (token-exact with mlx-lm).
 
@@ -55,6 +57,9 @@ def build_engine(model: Any, tokenizer: Any, *, kv_bits: int = 4, kv_group_size:
             compiled against 5.2-5.7 s plain).
         pipeline: build decode step n+1 while step n runs (KIVI engine only;
             a step's events come out one step later).
+        flat_qmm: multiply a batch's rows in one quantized matmul per layer
+            (engine.flat_quantized; changes `model`'s quantized modules in place).
+            None: `KIVIQ_FLAT_QMM` (default off until its GPU A/B has run).
 
     Compiling (on a GPU) and pipelining are on by default: same tokens as plain
     steps (tests, CPU and GPU), and on an H200 they took B=1 decode from
@@ -63,6 +68,8 @@ def build_engine(model: Any, tokenizer: Any, *, kv_bits: int = 4, kv_group_size:
     """
     if kv_bits not in KV_BITS_CHOICES:
         raise ValueError(f"kv_bits must be one of {KV_BITS_CHOICES}, got {kv_bits}")
+    if flat_qmm_requested(flat_qmm):
+        flatten_quantized_matmuls(model)
     if kv_bits == 16:
         return SerialEngine(model, tokenizer)
     store = make_store(model, KVConfig(kv_bits, kv_group_size, kv_residual, kv_flush_blocks), kv_memory=kv_memory,

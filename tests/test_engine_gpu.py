@@ -116,3 +116,21 @@ def test_decode_steps_write_the_tails_in_place_with_kernel(gpu_model, pipeline, 
     growth = mx.get_peak_memory() - base
     assert engine.stats["pipelined_steps"] >= (100 if pipeline else 0)
     assert growth < tail / 2, (growth, tail)
+
+
+def test_flat_quantized_matmuls_give_the_same_tokens_with_kernel(gpu_model):
+    """engine.flat_quantized on the GPU: 12 sequences decoding together make MLX take
+    its batched quantized matmul (M * B >= 8); flattened, the same rows go through one
+    GEMM. Same greedy tokens either way (the decision to turn it on needs this and
+    the step_trace A/B in docs/benchmarks.md, session 10)."""
+    from engine import Request
+    from engine.flat_quantized import flat_quantized_matmuls
+
+    model, tok = gpu_model
+    ids = tok.encode(PROSE)
+    reqs = lambda: [Request(f"r{i}", ids[i * 131: i * 131 + 300], 24) for i in range(12)]  # noqa: E731
+    plain = generate(model, tok, reqs(), bits=4, flat_qmm=False)
+    with flat_quantized_matmuls(model) as flattened:
+        assert flattened > 0  # on a GPU the packaged SmolLM2 keeps its quantized layers
+        flat = generate(model, tok, reqs(), bits=4, flat_qmm=False)
+    assert flat == plain

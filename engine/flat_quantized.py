@@ -1,0 +1,99 @@
+"""Quantized matmuls over all rows at once: one GEMM per layer for a whole decode batch.
+
+A decode step feeds the model [B, 1, K] activations. MLX's CUDA quantized matmul
+(mlx/backend/cuda/quantized/quantized.cpp, 0.32) takes M from the second-to-last
+axis and treats the leading axes as a batch: M = 1 with B = 32 problems, so from
+B = 8 up it launches a batched qmm (`qmm_sm80`: grid z = B) whose every problem
+reads the whole weight matrix again. On the H200 a Qwen3-4B-shaped decode step
+with 4-bit weights took ~55 ms at B = 32 against ~12 ms with bf16 weights, in
+kiviq and in BatchGenerator alike (docs/benchmarks.md, session 10). Reshaping the
+activations to [B * L, K] first makes the same call one GEMM with M = B * L, and
+the weights are read once.
+
+The reshape is free (the activations are row-contiguous), and the rows' results
+are the same dot products. It is applied by swapping the class of each quantized
+module (the instances keep their arrays), so it can be undone and never copies
+weights. Off by default until its GPU A/B has run: `KIVIQ_FLAT_QMM=1` or
+`build_engine(flat_qmm=True)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+
+FLAT_QMM_ENV = "KIVIQ_FLAT_QMM"
+
+
+def _rows(x: mx.array) -> mx.array:
+    return x if x.ndim <= 2 else x.reshape(-1, x.shape[-1])
+
+
+class FlatQuantizedLinear(nn.QuantizedLinear):
+    """`nn.QuantizedLinear` whose matmul sees all leading axes as rows."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = super().__call__(_rows(x))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class FlatQuantizedEmbedding(nn.QuantizedEmbedding):
+    """`nn.QuantizedEmbedding` whose `as_linear` (a tied output head) sees rows."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        y = super().as_linear(_rows(x))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+_FLAT = {nn.QuantizedLinear: FlatQuantizedLinear, nn.QuantizedEmbedding: FlatQuantizedEmbedding}
+_PLAIN = {v: k for k, v in _FLAT.items()}
+
+
+def _swap(model: nn.Module, mapping: dict) -> int:
+    swapped = 0
+    for _, module in model.named_modules():
+        cls = mapping.get(type(module))  # exact types only: subclasses keep their own call
+        if cls is not None:
+            module.__class__ = cls
+            swapped += 1
+    return swapped
+
+
+def flatten_quantized_matmuls(model: nn.Module) -> int:
+    """Make every quantized linear (and tied quantized embedding head) of `model`
+    multiply all rows in one matmul. Returns how many modules changed (0 for a
+    model without quantized layers, or one already flattened)."""
+    return _swap(model, _FLAT)
+
+
+def restore_quantized_matmuls(model: nn.Module) -> int:
+    """Undo `flatten_quantized_matmuls`. Returns how many modules changed."""
+    return _swap(model, _PLAIN)
+
+
+@contextlib.contextmanager
+def flat_quantized_matmuls(model: nn.Module) -> Iterator[int]:
+    """`model` flattened for the duration (benchmark arms that share one model);
+    yields the number of modules flattened, and restores only those."""
+    swapped = [m for _, m in model.named_modules() if type(m) in _FLAT]
+    flatten_quantized_matmuls(model)
+    try:
+        yield len(swapped)
+    finally:
+        for m in swapped:
+            m.__class__ = _PLAIN[type(m)]
+
+
+def flat_qmm_requested(flag: bool | None = None) -> bool:
+    """`flag` if given, else `KIVIQ_FLAT_QMM` (1/0; default 0). Anything else is an error,
+    so a typo cannot silently run the other arm of an A/B."""
+    if flag is not None:
+        return flag
+    value = os.environ.get(FLAT_QMM_ENV, "0").strip().lower()
+    if value not in ("0", "1", "false", "true", ""):
+        raise ValueError(f"{FLAT_QMM_ENV} must be 1 or 0, got {value!r}")
+    return value in ("1", "true")
