@@ -87,11 +87,12 @@ def test_an_unquantized_model_is_left_alone():
     assert flatten_quantized_matmuls(model) == 0
 
 
-def test_the_engine_gives_the_same_tokens_with_flat_matmuls(monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled"])
+def test_the_engine_gives_the_same_tokens_with_flat_matmuls(monkeypatch, compiled):
     requests = lambda: [Request(f"r{i}", [1 + i, 40 + 7 * i, 9, 200 - i] * (3 + i), 12)  # noqa: E731
                         for i in range(5)]
     kw = dict(kv_bits=4, kv_group_size=16, kv_residual=32, kv_memory=64 << 20, max_sequences=5,
-              compile_decode=False)
+              compile_decode=compiled)
     plain_model = quantized_model()
     want = run_engine(build_engine(plain_model, IdTokenizer(), flat_qmm=False, **kw), requests())
     assert flatten_quantized_matmuls(plain_model) == 15  # flat_qmm=False left it plain
