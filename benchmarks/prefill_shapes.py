@@ -32,12 +32,12 @@ TINY = dict(model_type="llama", hidden_size=128, num_hidden_layers=1, intermedia
             rope_theta=10000.0, max_position_embeddings=131072, tie_word_embeddings=True)
 
 
-def qmm_kernel(shape: tuple[int, ...]) -> str:
-    """The kernel MLX 0.32's CUDA backend runs for activations of `shape` (group size
-    64, output width a multiple of 128, as in the Qwen3-4B shape)."""
-    m = shape[-2] if len(shape) > 1 else 1
+def qmm_kernel(rows: tuple[int, ...]) -> str:
+    """The kernel MLX 0.32's CUDA backend runs for activations whose leading axes are
+    `rows` (group size 64, output width a multiple of 128, as in the Qwen3-4B shape)."""
+    m = rows[-1] if rows else 1
     problems = 1
-    for d in shape[:-2]:
+    for d in rows[:-1]:
         problems *= d
     if m * problems < 8:
         return "qmv"
@@ -84,7 +84,7 @@ def main() -> None:
         started |= {e.request_id for e in events if e.token_ids}
         # Every matmul of a forward sees the same rows: one entry per forward.
         forwards = seen[first::per_forward]
-        kinds = [qmm_kernel(s + (0,)) for s in forwards]
+        kinds = [qmm_kernel(s) for s in forwards]
         kernels.update(k.split(" x ")[0] + (" (batched)" if " x " in k else "") for k in kinds)
         print(f"| {steps} | {', '.join(str(list(s)) for s in forwards)} | {', '.join(kinds)} |")
     print(f"\n{steps} steps until every sequence had its first token; forwards by kernel: "

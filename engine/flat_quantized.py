@@ -53,13 +53,12 @@ _FLAT = {nn.QuantizedLinear: FlatQuantizedLinear, nn.QuantizedEmbedding: FlatQua
 _PLAIN = {v: k for k, v in _FLAT.items()}
 
 
-def _swap(model: nn.Module, mapping: dict) -> int:
-    swapped = 0
-    for _, module in model.named_modules():
-        cls = mapping.get(type(module))  # exact types only: subclasses keep their own call
-        if cls is not None:
-            module.__class__ = cls
-            swapped += 1
+def _swap(modules, mapping: dict) -> list[nn.Module]:
+    """Give each of `modules` whose exact type `mapping` names the mapped class;
+    returns those changed (subclasses are left alone: they keep their own call)."""
+    swapped = [m for m in modules if type(m) in mapping]
+    for m in swapped:
+        m.__class__ = mapping[type(m)]
     return swapped
 
 
@@ -67,25 +66,23 @@ def flatten_quantized_matmuls(model: nn.Module) -> int:
     """Make every quantized linear (and tied quantized embedding head) of `model`
     multiply all rows in one matmul. Returns how many modules changed (0 for a
     model without quantized layers, or one already flattened)."""
-    return _swap(model, _FLAT)
+    return len(_swap((m for _, m in model.named_modules()), _FLAT))
 
 
 def restore_quantized_matmuls(model: nn.Module) -> int:
     """Undo `flatten_quantized_matmuls`. Returns how many modules changed."""
-    return _swap(model, _PLAIN)
+    return len(_swap((m for _, m in model.named_modules()), _PLAIN))
 
 
 @contextlib.contextmanager
 def flat_quantized_matmuls(model: nn.Module) -> Iterator[int]:
     """`model` flattened for the duration (benchmark arms that share one model);
     yields the number of modules flattened, and restores only those."""
-    swapped = [m for _, m in model.named_modules() if type(m) in _FLAT]
-    flatten_quantized_matmuls(model)
+    swapped = _swap((m for _, m in model.named_modules()), _FLAT)
     try:
         yield len(swapped)
     finally:
-        for m in swapped:
-            m.__class__ = _PLAIN[type(m)]
+        _swap(swapped, _PLAIN)
 
 
 def flat_qmm_requested(flag: bool | None = None) -> bool:
