@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import platform
 import shlex
 import sys
+import tempfile
 
 
 def machine() -> str:
@@ -36,6 +39,29 @@ def _cpu_model() -> str:
 def command() -> str:
     """The command line that is running, as it could be typed again."""
     return " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
+
+
+DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories that are device work
+
+
+@contextlib.contextmanager
+def device_trace():
+    """Record the device ops run inside the block (CUDA, needs PyTorch): CUPTI, through
+    torch.profiler, sees every kernel of the process, MLX's included. The yielded list
+    is filled on exit with the ops' trace events (``name``, ``ts`` and ``dur`` in us):
+    device time itself, whatever the host spent launching them."""
+    import torch.profiler
+
+    events: list[dict] = []
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    with profiler:
+        yield events
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        profiler.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    events.extend(e for e in trace.get("traceEvents", []) if e.get("cat") in DEVICE_EVENTS and "dur" in e)
 
 
 def table(header: list[str], rows: list[list[object]]) -> str:

@@ -14,6 +14,7 @@ and with BatchGenerator on all (first-divergence index).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 import time
@@ -86,14 +87,21 @@ def fp16_cache_bytes(model, batch: int, tokens: int) -> int:
     return batch * tokens * layers * 2 * n_kv * head_dim * 2
 
 
-def run_kiviq(model, prompts, gen, bits, flush_blocks=1, plain=False):
-    """kiviq's engine as the worker builds it (compiled, pipelined decode steps);
-    ``plain``: neither (each step built op by op and waited for)."""
+def run_kiviq(model, prompts, gen, bits, flush_blocks=1, plain=False, flat=True):
+    """kiviq's engine as the worker builds it (compiled, pipelined decode steps, flat
+    quantized matmuls); ``plain``: neither compiled nor pipelined (each step built op
+    by op and waited for); ``flat=False``: the model's quantized matmuls as they are
+    (one per sequence on MLX's CUDA backend)."""
+    # The model is shared with the other arms: flattened for this run only.
+    with flat_quantized_matmuls(model) if flat else contextlib.nullcontext():
+        return _run_kiviq(model, prompts, gen, bits, flush_blocks, plain)
+
+
+def _run_kiviq(model, prompts, gen, bits, flush_blocks, plain):
     budget = kivi_budget(model, bits, len(prompts), len(prompts[0]) + gen, flush_blocks)
     engine = build_engine(model, IdTokenizer(), kv_bits=bits, kv_flush_blocks=flush_blocks,
                           max_sequences=len(prompts), kv_memory=budget, max_batch_tokens=8192,
-                          compile_decode=not plain, pipeline=not plain,
-                          flat_qmm=False)  # a -flat arm flattens the shared model for its run only
+                          compile_decode=not plain, pipeline=not plain, flat_qmm=False)  # run_kiviq's choice
     out = {i: [] for i in range(len(prompts))}
     mx.synchronize()
     t0 = time.perf_counter()
@@ -186,9 +194,10 @@ def main() -> None:
                    help="skip an arm whose KV cache would need more than this")
     p.add_argument("--plain-arm", action="store_true",
                    help="also run kiviq 4-bit with plain decode steps (not compiled, not pipelined)")
-    p.add_argument("--flat-qmm", action="store_true",
-                   help="also run batchgen and each kiviq arm with the model's quantized matmuls over all "
-                        "rows at once (engine.flat_quantized), as arms named <arm>-flat")
+    p.add_argument("--qmm-ab", action="store_true", dest="qmm_ab",
+                   help="the flat quantized matmuls' A/B (engine.flat_quantized; kiviq arms use them by "
+                        "default): also run batchgen with them (batchgen-flat) and each kiviq arm without "
+                        "them (<arm>-unflat)")
     p.add_argument("--arms", nargs="+", default=None,
                    help="subset of arms: batchgen kiviq-4bit kiviq-2bit single")
     args = p.parse_args()
@@ -214,8 +223,10 @@ def main() -> None:
                      for k in args.bits for fb in args.flush_blocks]
             if args.plain_arm:
                 arms.append(("kiviq-4bit-plain", lambda ps: run_kiviq(model, ps, args.gen, 4, plain=True)))
-            if args.flat_qmm:
-                arms += [(f"{name}-flat", flat_arm(model, fn)) for name, fn in arms if "plain" not in name]
+            if args.qmm_ab:
+                arms += [("batchgen-flat", flat_arm(model, lambda ps: run_batchgen(model, ps, args.gen)))]
+                arms += [(f"kiviq-{k}bit-unflat", (lambda k: lambda ps: run_kiviq(model, ps, args.gen, k, flat=False))(k))
+                         for k in args.bits]
             if b == 1:
                 arms.append(("mlx-lm single", lambda ps: run_single(model, ps[0], args.gen)))
             if args.arms:

@@ -8,6 +8,9 @@ device's together (what a decode step waits for). Shapes: Qwen3-4B's attention
 Arms, interleaved with the first arm rotating, each on its own pools:
 - `fused`: this tree's default, one in-place kernel per layer (no scatters);
 - `fused_again`: the same, on a second set of pools: the noise floor;
+- `fused_hostmeta`: the fused kernel reading its small inputs (slots, ids, params)
+  where the host made them, in managed memory (KIVIQ_KIVI_META=host), instead of
+  from one device copy per flush;
 - `gather`: this tree's KIVIQ_FLUSH_KERNEL=gather (gathers, a quantize launch and
   eight scatters per layer);
 - `base` (with --base REV): REV's fused flush, one launch per layer returning the
@@ -86,6 +89,7 @@ def tree_flush(pools, slots, ids, lens):
 
 # Each arm's environment, set around its calls outside the timed region.
 ENVS = {"fused": {kivi_cuda.FLUSH_KERNEL_ENV: "fused"}, "fused_again": {kivi_cuda.FLUSH_KERNEL_ENV: "fused"},
+        "fused_hostmeta": {kivi_cuda.FLUSH_KERNEL_ENV: "fused", kivi_cuda.META_ENV: "host"},
         "gather": {kivi_cuda.FLUSH_KERNEL_ENV: "gather"}, "base": {}}
 
 
@@ -101,7 +105,7 @@ def main() -> None:
     args = p.parse_args()
     if kivi_cuda.FLUSH_FUSED_KERNEL is None:
         raise SystemExit("needs MLX's CUDA backend")
-    arms = {"fused": tree_flush, "fused_again": tree_flush, "gather": tree_flush}
+    arms = {"fused": tree_flush, "fused_again": tree_flush, "fused_hostmeta": tree_flush, "gather": tree_flush}
     if args.base:
         from benchmarks.kernel_ab import load_base
         arms["base"] = base_flush(load_base(args.base))

@@ -40,11 +40,9 @@ import argparse
 import collections
 import contextlib
 import hashlib
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from unittest import mock
 
@@ -54,12 +52,9 @@ import mlx.core as mx  # noqa: E402
 
 import engine.kv_store as kv_store_module  # noqa: E402
 from kernels import dispatch, kivi_cuda  # noqa: E402
-from benchmarks.common import command, machine, prefilled_engine, table  # noqa: E402
+from benchmarks.common import command, device_trace, machine, prefilled_engine, table  # noqa: E402
 from benchmarks.engine import SHAPES, IdTokenizer, random_model  # noqa: E402
 from engine.flat_quantized import flat_quantized_matmuls  # noqa: E402
-
-DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
-
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals."""
@@ -126,8 +121,9 @@ class Arm:
     ``table``: KiviStore.table_width_multiple, ``slots``: the store's tails),
     mlxlm (key ``pipeline``: mlx-lm's own ``generate_step``, which builds step
     n+1 while step n runs, as ``stream_generate`` does) or batchgen. Any arm takes
-    ``flatqmm=1``: the model's quantized matmuls see all rows at once while this
-    arm builds and steps (engine.flat_quantized; with ``--quantize``). A step runs
+    ``flatqmm=1|0``: the model's quantized matmuls see all rows at once while this
+    arm builds and steps (engine.flat_quantized; with ``--quantize``); the default
+    is each system's own: 1 for kiviq (its engine's default), 0 for mlx-lm's. A step runs
     one decode step of every sequence; ``history`` holds every sequence's tokens
     so far (prefill and warm-up included), so arms are compared token by token.
 
@@ -147,9 +143,9 @@ class Arm:
         if name not in known or set(self.opts) - known[name] - {"flatqmm"}:
             raise SystemExit(f"--arm {spec}: expected kiviq[,flush_blocks=K][,flush=gather|fused]"
                              "[,tail=scatter|kernel][,bits=B][,pipeline=1][,compile=1][,table=N][,slots=N], "
-                             "mlxlm[,pipeline=1] or batchgen, each optionally with ,flatqmm=1")
+                             "mlxlm[,pipeline=1] or batchgen, each optionally with ,flatqmm=1|0")
         self.pipelined = self.opts.get("pipeline", "0") == "1"
-        self.flat_qmm = self.opts.get("flatqmm", "0") == "1"
+        self.flat_qmm = self.opts.get("flatqmm", "1" if name == "kiviq" else "0") == "1"
         self.model = None
         self.env = {env: self.opts[opt] for opt, env in (("flush", kivi_cuda.FLUSH_KERNEL_ENV),
                                                         ("tail", dispatch.TAIL_WRITE_ENV)) if opt in self.opts}
@@ -374,36 +370,24 @@ def main() -> None:
     model, prompts = make_model(args)
     for arm in arms:
         arm.build(args, model, prompts)
-    profiler = None
-    if args.trace:
-        import torch.profiler
-
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-        profiler.__enter__()
     host = None
     if args.host_profile:
         import cProfile
 
         host = cProfile.Profile()
-        host.enable()
-    for r in range(args.rounds):
-        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
-            arm.timed_steps(args.steps)
-    if profiler is not None:
-        profiler.__exit__(None, None, None)
-    if host is not None:
-        host.disable()
+    with device_trace() if args.trace else contextlib.nullcontext([]) as events:
+        if host is not None:
+            host.enable()
+        for r in range(args.rounds):
+            for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+                arm.timed_steps(args.steps)
+        if host is not None:
+            host.disable()
     report(arms, args)
     if host is not None:
         print_host_profile(host, args.steps, args.top)
-    if profiler is None:
+    if not args.trace:
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        profiler.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)
-    events = [e for e in trace.get("traceEvents", []) if e.get("cat") in DEVICE_EVENTS and "dur" in e]
     head, rows = summarize(events, args.steps, args.top)
     print(f"\n{head}\n")
     print(table(["device op", "us / step", "calls / step"], rows))

@@ -234,7 +234,8 @@ def flush_layers(
         # their own: every earlier reader of the pools is already enqueued (the
         # engine evaluates or launches each step before the next one's flush), and
         # no reader is built before they are done.
-        done = [kivi_cuda.fused_flush(pool, slots, ids, bits=bits, group_size=g, blocks_per_slot=kb)
+        meta = kivi_cuda.flush_meta(pools[0], slots, ids, kb)  # one device copy for all layers
+        done = [kivi_cuda.fused_flush(pool, slots, ids, bits=bits, group_size=g, blocks_per_slot=kb, meta=meta)
                 for pool in pools]
         if wait:
             _finish(done)

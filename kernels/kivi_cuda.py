@@ -1412,6 +1412,35 @@ def _mma_kernel(template, input_dtypes, min_blocks: int):
 # ---- one decode step's launches ------------------------------------------------------
 MERGE_WARPS = 16  # most warps of a merge block (its shared memory is sized for them)
 
+# Where the launches' small inputs live. MLX keeps every host-made array in managed
+# memory (cudaMallocManaged), and arrays of 8 bytes or less (the query scale; B = 1's
+# lengths and slot) in one shared pool that the host keeps writing. A CUPTI trace put
+# a fixed ~22 us into every split launch, at B = 1 and B = 32 alike (docs/benchmarks.md,
+# session 11): the cost of reading those pages from the GPU. "device" (default) copies
+# them once per plan, i.e. once per decode step, into one device-memory array made by
+# a GPU op, and every layer's launches read views of it; "host" passes them as made.
+META_ENV = "KIVIQ_KIVI_META"
+
+
+def device_meta(meta: list, params_new: mx.array) -> tuple[list, list]:
+    """`meta` and its new-token twin as views of one device array: a concatenation is
+    a GPU op, so its output is device memory (over 8 bytes: params alone is 24), read
+    from managed memory once here instead of by every warp of every layer."""
+    block_tables, num_blocks, slots, tail_lens, params, qscale = meta
+    views = _packed_views([block_tables, num_blocks, slots, tail_lens, params, params_new])
+    scales = mx.concatenate([qscale] * 4)  # 16 bytes: past the 8-byte shared pool
+    return views[:5] + [scales], views[:4] + [views[5], scales]
+
+
+def _packed_views(ints: list) -> list:
+    """The int32 arrays `ints` as views (same shapes) of one array made on the device."""
+    packed = mx.concatenate([a.reshape(-1).astype(mx.int32) for a in ints])
+    views, at = [], 0
+    for a in ints:
+        views.append(packed[at:at + a.size].reshape(a.shape))
+        at += a.size
+    return views
+
 
 def merge_warps(num_splits: int) -> int:
     """Warps per merge block: about 8 splits per warp, 1 .. MERGE_WARPS."""
@@ -1439,9 +1468,11 @@ class AttendPlan:
         self.meta, self.split_kw, nsu, rep = attend_launch(
             q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, scale=scale,
             bits=bits, group_size=group_size, step_tokens=MMA_STEP_TOKENS if mma else STEP_TOKENS)
-        self.params = self.meta[4]
         # The same launch, with params[5] = 1: the new token comes with the call.
-        self.meta_new = [*self.meta[:4], _const(_const_values(self.params)[:5] + (1,), mx.int32), self.meta[5]]
+        self.meta_new = [*self.meta[:4], _const(_const_values(self.meta[4])[:5] + (1,), mx.int32), self.meta[5]]
+        if os.environ.get(META_ENV, "device").lower() != "host":
+            self.meta, self.meta_new = device_meta(self.meta, self.meta_new[4])
+        self.params = self.meta[4]
         template, merge_template = attend_templates(q_dtype, pool, bits=bits,
                                                     group_size=group_size, rep=rep)
         self.split_kw["template"] = template
@@ -1563,15 +1594,28 @@ def flush_launch(pool: KiviPool, rows_k, *, bits, group_size):
     return launch, template, _const((rows_k.shape[2],), mx.int32)
 
 
+def flush_meta(pool: KiviPool, slots: mx.array, ids: mx.array, blocks_per_slot: int = 1) -> tuple:
+    """(slots, ids, params) of `fused_flush` for every layer of a flush: as views of one
+    device array unless KIVIQ_KIVI_META=host (see `device_meta`: read once per flush
+    instead of by every layer's launch)."""
+    _, h_kv, rg, _ = pool.tail_k.shape
+    params = _const((rg, h_kv, blocks_per_slot), mx.int32)
+    if os.environ.get(META_ENV, "device").lower() == "host":
+        return slots, ids, params
+    return tuple(_packed_views([slots, ids, params]))
+
+
 def fused_flush(pool: KiviPool, slots: mx.array, ids: mx.array, *, bits, group_size,
-                blocks_per_slot: int = 1) -> mx.array:
+                blocks_per_slot: int = 1, meta: tuple | None = None) -> mx.array:
     """The in-place fused flush of one layer (FLUSH_FUSED_SOURCE: read its comment for
     the ordering the caller owns): k = blocks_per_slot new blocks per flushing slot at
-    ``ids``, tails shifted. Returns the launch's `done` array; evaluating it writes the pool."""
+    ``ids``, tails shifted. `meta`: `flush_meta`'s result, made once for all layers.
+    Returns the launch's `done` array; evaluating it writes the pool."""
     f, k = slots.shape[0], blocks_per_slot
     _, h_kv, rg, d = pool.tail_k.shape
+    slots, ids, params = meta if meta is not None else flush_meta(pool, slots, ids, k)
     return FLUSH_FUSED_KERNEL(
-        inputs=[*pool, slots, ids, _const((rg, h_kv, k), mx.int32)],
+        inputs=[*pool, slots, ids, params],
         template=_flush_template(pool, bits=bits, group_size=group_size),
         grid=(f * h_kv * d, 1, 1), threadgroup=(d, 1, 1),
         output_shapes=[(1,)], output_dtypes=[mx.int32])[0]

@@ -106,7 +106,10 @@ def test_the_engine_gives_the_same_tokens_with_flat_matmuls(monkeypatch, compile
 
 def test_the_switch_reads_the_environment_and_rejects_typos(monkeypatch):
     monkeypatch.delenv(FLAT_QMM_ENV, raising=False)
+    assert flat_qmm_requested() is True  # the default
+    monkeypatch.setenv(FLAT_QMM_ENV, "0")
     assert flat_qmm_requested() is False
+    assert flat_qmm_requested(True) is True
     monkeypatch.setenv(FLAT_QMM_ENV, "1")
     assert flat_qmm_requested() is True
     assert flat_qmm_requested(False) is False
