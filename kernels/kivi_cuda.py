@@ -1415,10 +1415,12 @@ MERGE_WARPS = 16  # most warps of a merge block (its shared memory is sized for 
 # Where the launches' small inputs live. MLX keeps every host-made array in managed
 # memory (cudaMallocManaged), and arrays of 8 bytes or less (the query scale; B = 1's
 # lengths and slot) in one shared pool that the host keeps writing. A CUPTI trace put
-# a fixed ~22 us into every split launch, at B = 1 and B = 32 alike (docs/benchmarks.md,
-# session 11): the cost of reading those pages from the GPU. "device" (default) copies
-# them once per plan, i.e. once per decode step, into one device-memory array made by
-# a GPU op, and every layer's launches read views of it; "host" passes them as made.
+# a fixed ~23 us into every split launch from B = 1 to B = 32: the cost of reading
+# those pages from the GPU. "device" (default) copies them once per plan, i.e. once
+# per decode step, into one device-memory array made by a GPU op, and every layer's
+# launches read views of it: the B = 1 split kernel went from 29-38 to 13-24 us, with
+# bit-identical outputs (docs/benchmarks.md, session 11). "host" passes them as made.
+# The fused flush does the same (`flush_meta`); there it measured within the noise.
 META_ENV = "KIVIQ_KIVI_META"
 
 
