@@ -190,6 +190,17 @@ def time_variants(variants, inputs, repeats, target_s=0.004):
         est = time.perf_counter() - t0
         n_inner[name] = int(min(50, max(3, target_s / max(est, 1e-6))))
     out = {name: [] for name in variants}
+    for name, n, run in interleaved_blocks(variants, inputs, repeats, n_inner):
+        t0 = time.perf_counter()
+        run()
+        out[name].append((time.perf_counter() - t0) / n)
+    return out
+
+
+def interleaved_blocks(variants, inputs, repeats, calls):
+    """The measured blocks, in order: yields (arm, n, run) with the device idle;
+    run() issues the arm's n = calls[arm] calls over the rotating inputs
+    (`mx.async_eval` per call, no blocking eval inside) and waits for them."""
     names = list(variants)
     k = 0
     for r in range(repeats):
@@ -197,42 +208,31 @@ def time_variants(variants, inputs, repeats, target_s=0.004):
         # out slower than a second build of the same kernel placed later in the round,
         # in two runs, whichever build was first: a position effect, not a kernel one.
         for name in names[r % len(names):] + names[:r % len(names)]:
-            fn = variants[name]
-            n = n_inner[name]
+            def run(fn=variants[name], start=k, n=calls[name]):
+                for i in range(start, start + n):
+                    mx.async_eval(fn(inputs[i % len(inputs)]))
+                mx.synchronize()
             mx.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                mx.async_eval(fn(inputs[k % len(inputs)]))
-                k += 1
-            mx.synchronize()
-            out[name].append((time.perf_counter() - t0) / n)
-    return out
+            yield name, calls[name], run
+            k += calls[name]
 
 
 def device_times(variants, inputs, repeats, calls=16):
-    """Device time per call: each arm runs blocks of `calls` calls over the rotating
-    inputs, one trace per block, arms interleaved with the first one rotating as in
-    `time_variants`; a block's device-op durations summed / calls. Launch and host
+    """Device time per call: the blocks of `interleaved_blocks` (`calls` calls each),
+    one trace per block; a block's device-op durations summed / calls. Launch and host
     costs are not in it: at B = 1 the per-call times above are mostly those."""
     from benchmarks.common import device_trace
 
     out = {name: [] for name in variants}
     ops = {name: collections.Counter() for name in variants}  # device op -> us per call, summed
-    names = list(variants)
-    k = 0
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            mx.synchronize()
-            with device_trace() as events:
-                for _ in range(calls):
-                    mx.async_eval(variants[name](inputs[k % len(inputs)]))
-                    k += 1
-                mx.synchronize()
-            if not events:
-                raise SystemExit("the device trace recorded nothing (CUPTI unavailable?)")
-            out[name].append(sum(e["dur"] for e in events) * 1e-6 / calls)
-            for e in events:
-                ops[name][e["name"][:60]] += e["dur"] / calls / repeats
+    for name, n, run in interleaved_blocks(variants, inputs, repeats, dict.fromkeys(variants, calls)):
+        with device_trace() as events:
+            run()
+        if not events:
+            raise SystemExit("the device trace recorded nothing (CUPTI unavailable?)")
+        out[name].append(sum(e["dur"] for e in events) * 1e-6 / n)
+        for e in events:
+            ops[name][e["name"][:60]] += e["dur"] / n / repeats
     return out, ops
 
 
@@ -328,7 +328,9 @@ def main():
     a = ap.parse_args()
     if not dispatch.kernel_available():
         sys.exit("no KIVI kernel backend here (needs MLX CUDA or Metal)")
-    extra_arms = [f"sms{n}" for n in a.sms] + (["hostmeta"] if a.host_meta else [])
+    # Further builds of the kernel (VARIANT_ENV), each an arm of its own.
+    extra_arms = ([v for v, on in (("v1", a.v1), ("unbounded", a.unbounded), ("bounded4", a.bounded)) if on]
+                  + [f"sms{n}" for n in a.sms] + (["hostmeta"] if a.host_meta else []))
     for n in a.sms:
         VARIANT_ENV[f"sms{n}"] = {kivi_cuda.KERNEL_ENV: "auto", "KIVIQ_NUM_SMS": str(n)}
     print(f"mlx {mx.__version__}, device {mx.device_info().get('device_name', '?')}, "
@@ -345,14 +347,10 @@ def main():
         probe(4)
     header = ("| B | S | bits | kernel ms min/med/max | eff. GB/s | % copy | fp16 SDPA ms med "
               "| x SDPA | deq+SDPA ms med | x deq | check (err ref / err deq) | SDPA spread |"
-              + (" v1 ms med | x v1 |" if a.v1 else "")
-              + (" unbounded ms med | x unbounded |" if a.unbounded else "")
-              + (" bounded4 ms med | x bounded4 |" if a.bounded else "")
               + "".join(f" {v} ms med | x {v} |" for v in extra_arms)
               + (" kernel device ms min/med/max | % copy (device) | SDPA device ms med | x SDPA (device) |"
                  if a.device_time else ""))
-    rows = [header, "|" + "---|" * (12 + 2 * a.v1 + 2 * a.unbounded + 2 * a.bounded + 2 * len(extra_arms)
-                                 + 4 * a.device_time)]
+    rows = [header, "|" + "---|" * (12 + 2 * len(extra_arms) + 4 * a.device_time)]
     path = os.path.join(a.out, "kernel_attend.md")
     results = []
     by_op = []  # device time by op: [shape, arm, arm device ms med, op, us per call]
@@ -369,12 +367,6 @@ def main():
             made = [make_input(b, s, bits, seed=100 * i + bits) for i in range(n_inputs)]
             nblk, tail = made[0][2], made[0][3]
             variants = {"kernel": lambda x, bits=bits: kernel_fn(x[0], bits)}
-            if a.v1:
-                variants["v1"] = lambda x, bits=bits: kernel_fn(x[0], bits, "v1")
-            if a.unbounded:
-                variants["unbounded"] = lambda x, bits=bits: kernel_fn(x[0], bits, "unbounded")
-            if a.bounded:
-                variants["bounded4"] = lambda x, bits=bits: kernel_fn(x[0], bits, "bounded4")
             for v in extra_arms:
                 variants[v] = lambda x, bits=bits, v=v: kernel_fn(x[0], bits, v)
             variants["sdpa"] = lambda x: sdpa_fn(x[0][0], *x[1])
@@ -383,13 +375,6 @@ def main():
             inputs = [(m[0], m[1]) for m in made]
             dq_out = deq_sdpa_fn(inputs[0][0], bits, tail)
             ok, e_ref, e_dq = check(inputs[0][0], dq_out, bits)
-            if a.v1:
-                ok_v1 = check(inputs[0][0], dq_out, bits, "v1")[0]
-                ok = ok and ok_v1
-            if a.unbounded:
-                ok = ok and check(inputs[0][0], dq_out, bits, "unbounded")[0]
-            if a.bounded:
-                ok = ok and check(inputs[0][0], dq_out, bits, "bounded4")[0]
             for v in extra_arms:
                 ok = ok and check(inputs[0][0], dq_out, bits, v)[0]
                 same = mx.array_equal(kernel_fn(inputs[0][0], bits, v), kernel_fn(inputs[0][0], bits)).item()
@@ -407,16 +392,10 @@ def main():
                    f"{med['sdpa'] / km:.2f} | {deq} | {xdeq} | "
                    f"{'ok' if ok else 'FAIL'} ({e_ref:.1e} / {e_dq:.1e}) | "
                    f"{100 * spread:.1f}% |")
-            if a.v1:
-                row += f" {med['v1'] * 1e3:.3f} | {med['v1'] / km:.2f} |"
-            if a.unbounded:
-                row += f" {med['unbounded'] * 1e3:.3f} | {med['unbounded'] / km:.2f} |"
-            if a.bounded:
-                row += f" {med['bounded4'] * 1e3:.3f} | {med['bounded4'] / km:.2f} |"
-            result = dict(b=b, s=s, bits=bits, pct=bw / copy_bw, ok=ok, x_sdpa=med["sdpa"] / km,
-                          x_deq=(med["deq"] / km) if "deq" in med else None)
             for v in extra_arms:
                 row += f" {med[v] * 1e3:.3f} | {med[v] / km:.2f} |"
+            result = dict(b=b, s=s, bits=bits, pct=bw / copy_bw, ok=ok, x_sdpa=med["sdpa"] / km,
+                          x_deq=(med["deq"] / km) if "deq" in med else None)
             if a.device_time:
                 dt, ops = device_times({k: variants[k] for k in ("kernel", *extra_arms, "sdpa")}, inputs,
                                        a.repeats)
