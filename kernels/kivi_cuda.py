@@ -1424,6 +1424,10 @@ MERGE_WARPS = 16  # most warps of a merge block (its shared memory is sized for 
 META_ENV = "KIVIQ_KIVI_META"
 
 
+def _meta_on_device() -> bool:
+    return os.environ.get(META_ENV, "device").lower() != "host"
+
+
 def device_meta(meta: list, params_new: mx.array) -> tuple[list, list]:
     """`meta` and its new-token twin as views of one device array: a concatenation is
     a GPU op, so its output is device memory (over 8 bytes: params alone is 24), read
@@ -1472,7 +1476,7 @@ class AttendPlan:
             bits=bits, group_size=group_size, step_tokens=MMA_STEP_TOKENS if mma else STEP_TOKENS)
         # The same launch, with params[5] = 1: the new token comes with the call.
         self.meta_new = [*self.meta[:4], _const(_const_values(self.meta[4])[:5] + (1,), mx.int32), self.meta[5]]
-        if os.environ.get(META_ENV, "device").lower() != "host":
+        if _meta_on_device():
             self.meta, self.meta_new = device_meta(self.meta, self.meta_new[4])
         self.params = self.meta[4]
         template, merge_template = attend_templates(q_dtype, pool, bits=bits,
@@ -1602,7 +1606,7 @@ def flush_meta(pool: KiviPool, slots: mx.array, ids: mx.array, blocks_per_slot: 
     instead of by every layer's launch)."""
     _, h_kv, rg, _ = pool.tail_k.shape
     params = _const((rg, h_kv, blocks_per_slot), mx.int32)
-    if os.environ.get(META_ENV, "device").lower() == "host":
+    if not _meta_on_device():
         return slots, ids, params
     return tuple(_packed_views([slots, ids, params]))
 
