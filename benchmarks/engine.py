@@ -14,7 +14,6 @@ and with BatchGenerator on all (first-divergence index).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import sys
 import time
@@ -87,21 +86,15 @@ def fp16_cache_bytes(model, batch: int, tokens: int) -> int:
     return batch * tokens * layers * 2 * n_kv * head_dim * 2
 
 
-def run_kiviq(model, prompts, gen, bits, flush_blocks=1, plain=False, flat=True):
-    """kiviq's engine as the worker builds it (compiled, pipelined decode steps, flat
-    quantized matmuls); ``plain``: neither compiled nor pipelined (each step built op
-    by op and waited for); ``flat=False``: the model's quantized matmuls as they are
-    (one per sequence on MLX's CUDA backend)."""
-    # The model is shared with the other arms: flattened for this run only.
-    with flat_quantized_matmuls(model) if flat else contextlib.nullcontext():
-        return _run_kiviq(model, prompts, gen, bits, flush_blocks, plain)
-
-
-def _run_kiviq(model, prompts, gen, bits, flush_blocks, plain):
+def run_kiviq(model, prompts, gen, bits, flush_blocks=1, plain=False):
+    """kiviq's engine as the worker builds it (compiled, pipelined decode steps);
+    ``plain``: neither (each step built op by op and waited for). The model's
+    quantized matmuls as they are: the worker's flat ones are the arm's
+    (`flat_arm`), since the model is shared with the other arms."""
     budget = kivi_budget(model, bits, len(prompts), len(prompts[0]) + gen, flush_blocks)
     engine = build_engine(model, IdTokenizer(), kv_bits=bits, kv_flush_blocks=flush_blocks,
                           max_sequences=len(prompts), kv_memory=budget, max_batch_tokens=8192,
-                          compile_decode=not plain, pipeline=not plain, flat_qmm=False)  # run_kiviq's choice
+                          compile_decode=not plain, pipeline=not plain, flat_qmm=False)
     out = {i: [] for i in range(len(prompts))}
     mx.synchronize()
     t0 = time.perf_counter()
@@ -218,14 +211,17 @@ def main() -> None:
     for b in args.batch:
         for ctx in args.context:
             arms = [("batchgen", lambda ps: run_batchgen(model, ps, args.gen))]
-            arms += [(f"kiviq-{k}bit" + (f"-k{fb}" if fb != 1 else ""),
-                      (lambda k, fb: lambda ps: run_kiviq(model, ps, args.gen, k, flush_blocks=fb))(k, fb))
-                     for k in args.bits for fb in args.flush_blocks]
+            # kiviq's arms run with flat quantized matmuls, as the worker does.
+            kiviq = {f"kiviq-{k}bit" + (f"-k{fb}" if fb != 1 else ""):
+                     (lambda k, fb: lambda ps: run_kiviq(model, ps, args.gen, k, flush_blocks=fb))(k, fb)
+                     for k in args.bits for fb in args.flush_blocks}
+            arms += [(name, flat_arm(model, fn)) for name, fn in kiviq.items()]
             if args.plain_arm:
-                arms.append(("kiviq-4bit-plain", lambda ps: run_kiviq(model, ps, args.gen, 4, plain=True)))
+                arms.append(("kiviq-4bit-plain",
+                             flat_arm(model, lambda ps: run_kiviq(model, ps, args.gen, 4, plain=True))))
             if args.qmm_ab:
                 arms += [("batchgen-flat", flat_arm(model, lambda ps: run_batchgen(model, ps, args.gen)))]
-                arms += [(f"kiviq-{k}bit-unflat", (lambda k: lambda ps: run_kiviq(model, ps, args.gen, k, flat=False))(k))
+                arms += [(f"kiviq-{k}bit-unflat", (lambda k: lambda ps: run_kiviq(model, ps, args.gen, k))(k))
                          for k in args.bits]
             if b == 1:
                 arms.append(("mlx-lm single", lambda ps: run_single(model, ps[0], args.gen)))

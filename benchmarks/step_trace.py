@@ -56,6 +56,7 @@ from benchmarks.common import command, device_trace, machine, prefilled_engine, 
 from benchmarks.engine import SHAPES, IdTokenizer, random_model  # noqa: E402
 from engine.flat_quantized import flat_quantized_matmuls  # noqa: E402
 
+
 def busy_time(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals."""
     total, end = 0.0, None
