@@ -26,6 +26,10 @@ merge. There are two split kernels with the same inputs, outputs, grid and merge
      178-213 to 128 registers as MLX compiles it (ncu; 16 warps per SM), 1.2-1.4x
      faster, bit-identical output. `KIVIQ_KIVI_MIN_BLOCKS=N` compiles it with
      launch bounds for N blocks per SM (see `bounded_declaration`).
+     With fp16 pools it takes its FOLD path (`fold_applies`; the comment above
+     ATTEND_MMA_SOURCE): scales folded into q and p, zeros in two small MMAs, a code
+     pair one AND (an fp16 subnormal). ~23% fewer instructions per tile; on the H200
+     1.09-1.14x faster than dequantizing at B >= 32 (docs/benchmarks.md, session 12).
   1b. `kivi_attend_split` (everything else: 8-bit, G != 32, D 32/256, or
      KIVIQ_KIVI_KERNEL=v1 for A/B runs): CUDA cores, float32 throughout. One warp per
      (b, h, split), 4 warps per thread block (they share (b, h) and stage its query rows
@@ -65,6 +69,10 @@ Numerics (vs the float32 reference):
     Against an oracle that rounds K, V and q alike it agrees to u * max|v| (p's
     rounding); tests/test_kernels_gpu.py states and checks both contracts. This is the
     design decision behind the speed: float32 CUDA-core math was the limit of 1b.
+    Its FOLD path (fp16 pools) never rounds K_hat or V_hat; it rounds q * scale (per
+    channel and block) and p * scale (per token and group) to fp16 instead, with the
+    zeros' terms from the rounded q and p: within 3 u max|v| of exact for the values,
+    and the scores exactly as tests/test_kernels_gpu.py's `oracle_fold` computes them.
 
 Performance (H200, docs/benchmarks.md): see the kernel section there for the
 measured table (MMA vs CUDA-core vs fp16 SDPA vs dequantize-then-SDPA).
@@ -148,6 +156,16 @@ def split_plan(batch: int, kv_heads: int, max_blocks: int, group_size: int,
 
 
 KERNEL_ENV = "KIVIQ_KIVI_KERNEL"  # "auto" (default): MMA where it applies; "v1": never
+FOLD_ENV = "KIVIQ_KIVI_FOLD"  # "1" (default): fp16 pools take the MMA kernel's FOLD path
+
+
+def fold_applies(pool: KiviPool) -> bool:
+    """Whether the MMA kernel runs its FOLD path for this pool (see ATTEND_MMA_SOURCE):
+    fp16 pools, unless KIVIQ_KIVI_FOLD=0 (the A/B arm: dequantize to fp16 in registers)."""
+    value = os.environ.get(FOLD_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{FOLD_ENV} must be 1 or 0, got {value!r}")
+    return value == "1" and pool.k_scales.dtype == mx.float16
 
 
 def mma_supports(q_shape, pool: KiviPool, bits: int, group_size: int) -> str | None:
@@ -640,6 +658,36 @@ __device__ __forceinline__ uint32_t kivi_unit2(const uint8_t* p, int a, int b) {
   }
 }
 
+// FOLD (fp16 pools): the scale moves onto the other MMA operand and the zero into a
+// separate MMA, so a code pair costs one AND. Code j of each 16-bit half of w stays at
+// its bit position O_j (kivi_code_pos) with a zero exponent field: the fp16 subnormal
+// code * 2^(O_j - 24), exact; the caller multiplies the sums by 2^(24 - O_j).
+template <int BITS> __device__ __forceinline__ constexpr int kivi_code_pos(int j) {
+  return BITS == 2 ? 2 * j : 4 * (j & 1);
+}
+template <int BITS>
+__device__ __forceinline__ void kivi_codes4(uint32_t w, uint32_t (&x)[4]) {
+  constexpr uint32_t M = ((1u << BITS) - 1u) * 0x00010001u;
+  if constexpr (BITS == 2) {
+    x[0] = w & M;
+    x[1] = w & (M << 2);
+    x[2] = w & (M << 4);
+    x[3] = w & (M << 6);
+  } else {
+    const uint32_t w8 = w >> 8;
+    x[0] = w & M;
+    x[1] = w & (M << 4);
+    x[2] = w8 & M;
+    x[3] = w8 & (M << 4);
+  }
+}
+
+// Two fp16 products, rounded once each (the folded operand: q * scale, p * scale).
+__device__ __forceinline__ uint32_t kivi_hmul2(uint32_t a, uint32_t b) {
+  __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
 // Asynchronous 16-byte global -> shared copies (sm_80+), grouped per staged block.
 __device__ __forceinline__ void kivi_cp16(void* smem, const void* gmem) {
   const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
@@ -873,6 +921,21 @@ ATTEND_SOURCE = r"""
 #     8f .. 8f+7, so its value scales (staged transposed, [group][token]) are adjacent.
 #   p goes through shared memory in SD ([8][32] per warp): the transpose between the
 #   two fragment layouts.
+# FOLD (template constant; 1 for fp16 pools unless KIVIQ_KIVI_FOLD=0): no code is
+# dequantized. Since K_hat = code * s + z per channel and V_hat = code * s + z per
+# token and group,
+#   scores = codes . (q * s) + z . q        out = codes^T . (p * s) + z^T . p
+# so the scale goes onto the other operand (one HMUL2 per 2 channels of q per block,
+# per 2 tokens of p per group), the zeros' terms are two small MMAs of their own
+# (zc; zv for all channel groups at once), and a code pair costs one AND: the code at
+# its bit position O with a zero exponent is the fp16 subnormal code * 2^(O - 24),
+# exact, and the MMA's float32 sums are multiplied back by 2^(24 - O) (O is fixed per
+# accumulator register). The dequantization was LOP3 + HSUB2 + HFMA2 per pair, ~45%
+# of a tile's instructions: offline SASS (cuobjdump, D = 128) puts the block loop at
+# 657 instead of 856 instructions at 4 bits and 606 instead of 817 at 2 bits.
+# Numerics: K_hat and V_hat are never rounded; q * s and p * s are, once each to
+# fp16 (2^-11 relative), with zeros' terms from the rounded q and p. fp16 only: a
+# bf16 code would be a bf16 subnormal (2^-133), whose products underflow float32.
 ATTEND_MMA_SOURCE = r"""
   constexpr int P = 8 / BITS;
   constexpr int KROW = G / P;     // bytes of a k_codes row (one channel)
@@ -887,6 +950,7 @@ ATTEND_MMA_SOURCE = r"""
   constexpr int SB = KTILE + VTILE + 4 * D * 2;  // one staged block
   constexpr int WB = 2 * SB + 4 * D + 16 * G;    // per warp: 2 stages, v scales^T, p
   static_assert(G == 32, "MMA kernel: G = 32");
+  static_assert(!FOLD || kivi_same<SD, __half>::value, "FOLD: fp16 pools only (fp16 subnormal codes)");
   static_assert(WB >= REP * (D + 32) * 4, "tail warp scratch fits in its region");
   // Per warp: stages 0 and 1 (cp.async double buffer), the value scales and zeros
   // transposed to [group][token], and p as [8 heads][32 tokens] in SD. The tail warp
@@ -941,6 +1005,9 @@ ATTEND_MMA_SOURCE = r"""
   float m2[2] = {KIVI_NEG_INF, KIVI_NEG_INF};  // query heads 2f, 2f+1
   float l2[2] = {0.0f, 0.0f};                  // this lane's tokens only
   float oacc[2 * MP][4];
+  // FOLD: sum over tokens of p * value zero; rows g and g + 8 of lane (g, f) hold
+  // channel group g % MP, heads 2f + {0, 1}.
+  float zv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < 2 * MP; ++i)
 #pragma unroll
@@ -986,7 +1053,7 @@ ATTEND_MMA_SOURCE = r"""
     // Two accumulators per m-tile (even and odd k-tiles): two independent MMA chains.
     // Every shared address below is a per-lane base plus a compile-time offset (one
     // LDS [R + imm] each; offsets kept in registers cost an IADD3 per load and registers).
-    float sc[2][4], sc2[2][4];
+    float sc[2][4], sc2[2][4], zc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -1002,19 +1069,28 @@ ATTEND_MMA_SOURCE = r"""
       const uint32_t s89 = *reinterpret_cast<const uint32_t*>(ksl + kt * 16 + 8);
       const uint32_t z89 = *reinterpret_cast<const uint32_t*>(kzl + kt * 16 + 8);
       uint32_t x01[4], x89[4];
-      kivi_deq4<SD, BITS>(kivi_unit2<BITS>(kk, 0, KROW), s01, z01, x01);
-      kivi_deq4<SD, BITS>(kivi_unit2<BITS>(kk, 8 * KROW, 9 * KROW), s89, z89, x89);
+      uint32_t qa = qb[kt][0], qc = qb[kt][1];
+      if constexpr (FOLD) {  // codes * (q * scale) + zero . q (zc)
+        kivi_codes4<BITS>(kivi_unit2<BITS>(kk, 0, KROW), x01);
+        kivi_codes4<BITS>(kivi_unit2<BITS>(kk, 8 * KROW, 9 * KROW), x89);
+        qa = kivi_hmul2(qa, s01);
+        qc = kivi_hmul2(qc, s89);
+        kivi_mma<SD>(zc, z01, z01, z89, z89, qb[kt][0], qb[kt][1]);
+      } else {
+        kivi_deq4<SD, BITS>(kivi_unit2<BITS>(kk, 0, KROW), s01, z01, x01);
+        kivi_deq4<SD, BITS>(kivi_unit2<BITS>(kk, 8 * KROW, 9 * KROW), s89, z89, x89);
+      }
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         kivi_mma<SD>((kt & 1) ? sc2[mt] : sc[mt], x01[2 * mt], x01[2 * mt + 1], x89[2 * mt],
-                     x89[2 * mt + 1], qb[kt][0], qb[kt][1]);
+                     x89[2 * mt + 1], qa, qc);
       }
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) sc[i][j] += sc2[i][j];
-    // sc[mt][2 * hi + e]: token 4g + 2mt + hi, query head 2f + e.
+    // sc[mt][2 * hi + e]: token 4g + 2mt + hi (code position j = 2mt + hi), query head 2f + e.
     // ---- online softmax over the block's 32 tokens (base 2) ----
     float alpha[2];
 #pragma unroll
@@ -1022,8 +1098,14 @@ ATTEND_MMA_SOURCE = r"""
       float bm = KIVI_NEG_INF;
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        sc[mt][e] *= qscale;
-        sc[mt][2 + e] *= qscale;
+        if constexpr (FOLD) {  // zc[e] = zc[2 + e]: every row of its A operand is the zeros
+          sc[mt][e] = fmaf(sc[mt][e], qscale * float(1 << (24 - kivi_code_pos<BITS>(2 * mt))), zc[e] * qscale);
+          sc[mt][2 + e] = fmaf(sc[mt][2 + e], qscale * float(1 << (24 - kivi_code_pos<BITS>(2 * mt + 1))),
+                               zc[e] * qscale);
+        } else {
+          sc[mt][e] *= qscale;
+          sc[mt][2 + e] *= qscale;
+        }
         bm = fmaxf(bm, fmaxf(sc[mt][e], sc[mt][2 + e]));
       }
 #pragma unroll
@@ -1052,6 +1134,10 @@ ATTEND_MMA_SOURCE = r"""
         oacc[i][2] *= alpha[0];
         oacc[i][3] *= alpha[1];
       }
+      zv[0] *= alpha[0];
+      zv[1] *= alpha[1];
+      zv[2] *= alpha[0];
+      zv[3] *= alpha[1];
     }
     __syncwarp();
 
@@ -1059,6 +1145,14 @@ ATTEND_MMA_SOURCE = r"""
     const uint4 pq = *reinterpret_cast<const uint4*>(pt + g * G + 8 * f);  // query head g
     const SD* vsl = vs + 8 * f;
     const SD* vzl = vz + 8 * f;
+    if constexpr (FOLD) {  // the zeros' term of every channel group at once (see zv)
+#pragma unroll
+      for (int kt = 0; kt < 2; ++kt) {
+        const uint32_t za = *reinterpret_cast<const uint32_t*>(vzl + (g % MP) * G + 4 * kt);
+        const uint32_t zb = *reinterpret_cast<const uint32_t*>(vzl + (g % MP) * G + 4 * kt + 2);
+        kivi_mma<SD>(zv, za, za, zb, zb, kt ? pq.z : pq.x, kt ? pq.w : pq.y);
+      }
+    }
 #pragma unroll
     for (int mp = 0; mp < MP; ++mp) {
       // unit: channels 32mp + 4g .. +3, in the swizzled chunk of rows 8f .. 8f+7
@@ -1068,17 +1162,25 @@ ATTEND_MMA_SOURCE = r"""
       for (int kt = 0; kt < 2; ++kt) {
         const int ta = 4 * kt;  // token offset within the lane's rows 8f ..
         const uint32_t sa = *reinterpret_cast<const uint32_t*>(vsl + mp * G + ta);
-        const uint32_t za = *reinterpret_cast<const uint32_t*>(vzl + mp * G + ta);
         const uint32_t sb = *reinterpret_cast<const uint32_t*>(vsl + mp * G + ta + 2);
-        const uint32_t zb = *reinterpret_cast<const uint32_t*>(vzl + mp * G + ta + 2);
         uint32_t xa[4], xb[4];
-        kivi_deq4<SD, BITS>(kivi_unit2<BITS>(vl, ta * VROW, (ta + 1) * VROW), sa, za, xa);
-        kivi_deq4<SD, BITS>(kivi_unit2<BITS>(vl, (ta + 2) * VROW, (ta + 3) * VROW), sb, zb, xb);
         const uint32_t pb0 = kt ? pq.z : pq.x;
         const uint32_t pb1 = kt ? pq.w : pq.y;
+        uint32_t pa = pb0, pc = pb1;
+        if constexpr (FOLD) {  // codes * (p * scale), the zeros' term in zv
+          kivi_codes4<BITS>(kivi_unit2<BITS>(vl, ta * VROW, (ta + 1) * VROW), xa);
+          kivi_codes4<BITS>(kivi_unit2<BITS>(vl, (ta + 2) * VROW, (ta + 3) * VROW), xb);
+          pa = kivi_hmul2(pa, sa);
+          pc = kivi_hmul2(pc, sb);
+        } else {
+          const uint32_t za = *reinterpret_cast<const uint32_t*>(vzl + mp * G + ta);
+          const uint32_t zb = *reinterpret_cast<const uint32_t*>(vzl + mp * G + ta + 2);
+          kivi_deq4<SD, BITS>(kivi_unit2<BITS>(vl, ta * VROW, (ta + 1) * VROW), sa, za, xa);
+          kivi_deq4<SD, BITS>(kivi_unit2<BITS>(vl, (ta + 2) * VROW, (ta + 3) * VROW), sb, zb, xb);
+        }
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          kivi_mma<SD>(oacc[2 * mp + i], xa[2 * i], xa[2 * i + 1], xb[2 * i], xb[2 * i + 1], pb0, pb1);
+          kivi_mma<SD>(oacc[2 * mp + i], xa[2 * i], xa[2 * i + 1], xb[2 * i], xb[2 * i + 1], pa, pc);
         }
       }
     }
@@ -1093,6 +1195,9 @@ ATTEND_MMA_SOURCE = r"""
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int r = 2 * f + e;
+    float zm[MP];  // FOLD: group mp's zeros' term of head r, from lane (mp, f)
+#pragma unroll
+    for (int mp = 0; mp < MP; ++mp) zm[mp] = FOLD ? __shfl_sync(KIVI_FULL, zv[e], mp * 4 + f) : 0.0f;
     if (r < REP) {
       if (g == 0) {
         part_ml[(oi + r) * 2] = m2[e];
@@ -1101,9 +1206,15 @@ ATTEND_MMA_SOURCE = r"""
       if (blk1 > blk0) {  // an empty split writes no acc; the merge never reads it
 #pragma unroll
         for (int mp = 0; mp < MP; ++mp) {
-          *reinterpret_cast<float4*>(part_acc + (oi + r) * D + mp * 32 + 4 * g) =
-              make_float4(oacc[2 * mp][e], oacc[2 * mp][2 + e], oacc[2 * mp + 1][e],
-                          oacc[2 * mp + 1][2 + e]);
+          float4 o = make_float4(oacc[2 * mp][e], oacc[2 * mp][2 + e], oacc[2 * mp + 1][e],
+                                 oacc[2 * mp + 1][2 + e]);  // code positions j = 0, 1, 2, 3
+          if constexpr (FOLD) {
+            o.x = fmaf(o.x, float(1 << (24 - kivi_code_pos<BITS>(0))), zm[mp]);
+            o.y = fmaf(o.y, float(1 << (24 - kivi_code_pos<BITS>(1))), zm[mp]);
+            o.z = fmaf(o.z, float(1 << (24 - kivi_code_pos<BITS>(2))), zm[mp]);
+            o.w = fmaf(o.w, float(1 << (24 - kivi_code_pos<BITS>(3))), zm[mp]);
+          }
+          *reinterpret_cast<float4*>(part_acc + (oi + r) * D + mp * 32 + 4 * g) = o;
         }
       }
     }
@@ -1481,6 +1592,8 @@ class AttendPlan:
         self.params = self.meta[4]
         template, merge_template = attend_templates(q_dtype, pool, bits=bits,
                                                     group_size=group_size, rep=rep)
+        if mma:
+            template = template + [("FOLD", int(fold_applies(pool)))]
         self.split_kw["template"] = template
         if mma:
             min_blocks = int(os.environ.get(MIN_BLOCKS_ENV, MMA_MIN_BLOCKS))

@@ -104,7 +104,10 @@ def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
     attend_out = [("part_acc", f32), ("part_ml", f32)]
     cases = [
         ("split_mma", attend_in, attend_out,
-         [("T", bf), ("SD", bf), ("D", 128), ("G", 32), ("BITS", 4), ("REP", 4), ("NW", 4)]),
+         [("T", bf), ("SD", bf), ("D", 128), ("G", 32), ("BITS", 4), ("REP", 4), ("NW", 4), ("FOLD", 0)]),
+        ("split_mma", [(n, mx.float16 if dt == bf else dt) for n, dt in attend_in], attend_out,
+         [("T", mx.float16), ("SD", mx.float16), ("D", 64), ("G", 32), ("BITS", 2), ("REP", 8), ("NW", 4),
+          ("FOLD", 1)]),
         ("split_v1", attend_in, attend_out,
          [("T", bf), ("SD", bf), ("D", 64), ("G", 16), ("BITS", 8), ("REP", 3), ("NW", 4)]),
         ("merge", [("part_acc", f32), ("part_ml", f32), ("params", i32)], [("out", bf)],

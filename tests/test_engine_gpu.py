@@ -124,13 +124,21 @@ def test_flat_quantized_matmuls_give_the_same_tokens_with_kernel(gpu_model):
     GEMM. Same greedy tokens either way (the default rests on this and the step_trace
     A/B in docs/benchmarks.md, session 11)."""
     from engine import Request
-    from engine.flat_quantized import flat_quantized_matmuls
+    from engine.flat_quantized import (flat_quantized_matmuls, flatten_quantized_matmuls,
+                                       restore_quantized_matmuls)
 
     model, tok = gpu_model
     ids = tok.encode(PROSE)
     reqs = lambda: [Request(f"r{i}", ids[i * 131: i * 131 + 300], 24) for i in range(12)]  # noqa: E731
-    plain = generate(model, tok, reqs(), bits=4, flat_qmm=False)
-    with flat_quantized_matmuls(model) as flattened:
-        assert flattened > 0  # on a GPU the packaged SmolLM2 keeps its quantized layers
-        flat = generate(model, tok, reqs(), bits=4, flat_qmm=False)
+    # The module's model is shared: earlier tests' engines flattened it in place (the
+    # default), so the per-sequence arm must undo that first, and the test puts it back.
+    restored = restore_quantized_matmuls(model)
+    try:
+        plain = generate(model, tok, reqs(), bits=4, flat_qmm=False)
+        with flat_quantized_matmuls(model) as flattened:
+            assert flattened > 0  # on a GPU the packaged SmolLM2 keeps its quantized layers
+            flat = generate(model, tok, reqs(), bits=4, flat_qmm=False)
+    finally:
+        if restored:
+            flatten_quantized_matmuls(model)
     assert flat == plain

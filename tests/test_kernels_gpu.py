@@ -21,7 +21,10 @@ has other numerics on purpose: it dequantizes K and V to the pool's dtype (one r
 the probabilities p for the value sum (float32 accumulation throughout). Its oracle
 (`oracle_mma`) does the same roundings of K, V and q in float32 math, so only the
 rounding of p remains: |error| <= u * max|v| of the row's sequence (u = the dtype's unit
-roundoff), added to the tolerance above.
+roundoff), added to the tolerance above. With fp16 pools that kernel takes its FOLD path
+(scales folded into q and p, K and V never dequantized; kivi_cuda.fold_applies): its
+oracle (`oracle_fold`) rounds q * scale exactly as the kernel does, and the rounding of
+p and of p * scale adds <= 3 u max|v| (tolerance: twice that).
 The flush kernel has no a*b+c and must match codes, scales and zeros bit for bit.
 """
 
@@ -41,6 +44,7 @@ from kernels.kivi_quant import (
     blocks_to_tokens,
     dequantize_key_blocks,
     dequantize_value_blocks,
+    unpack,
 )
 from kernels.kivi_reference import decode_attention, decode_attention_dense, flush_tails
 from kernels.layout import KiviPool, allocate_pool
@@ -188,11 +192,59 @@ def oracle_mma(q, pool, table, nb, slots, tl, *, scale, bits, group_size=32):
     return ref, np.array(extra, dtype=np.float64)[:, None, None]
 
 
+def oracle_fold(q, pool, table, nb, slots, tl, *, scale, bits, group_size=32):
+    """The MMA kernel's FOLD numerics (fp16 pools), in float64: key scores
+    codes . fl16(fl16(q) * scale) + zeros . fl16(q) per block, exactly as the kernel
+    rounds; values code * scale + zero, unrounded; the tail with q as given.
+
+    Returns (reference [B, H_q, D] float32, extra tolerance [B, 1, 1] = 6 u max|v|):
+    the kernel rounds p (<= u max|v| in the output) and p * scale (<= u * 2 max|v|:
+    |code * scale| = |v - zero| <= 2 max|v|) for the values, which no oracle can
+    repeat (p depends on the running max); twice that bound, as for oracle_mma.
+    """
+    h_kv, d = pool.tail_k.shape[1], pool.tail_k.shape[-1]
+    f64 = lambda a: np.array(a.astype(mx.float32), dtype=np.float64)  # noqa: E731
+    fl16 = lambda a: a.astype(np.float16).astype(np.float64)  # noqa: E731
+    outs, extra = [], []
+    for i in range(q.shape[0]):
+        n, t, s = int(nb[i].item()), int(tl[i].item()), int(slots[i].item())
+        qi = f64(q[i]).reshape(h_kv, -1, d)  # [H_kv, rep, D]
+        scores, vals = [], []
+        if n:
+            idx = table[i, :n]
+            codes = np.array(unpack(pool.k_codes[idx], bits), dtype=np.float64)  # [n, H_kv, D, G]
+            ks, kz = f64(pool.k_scales[idx]), f64(pool.k_zeros[idx])  # [n, H_kv, D]
+            qr = fl16(qi)
+            qs = fl16(qr[None] * ks[:, :, None, :])  # [n, H_kv, rep, D]
+            sc = (np.einsum("nhdg,nhrd->hrng", codes, qs)
+                  + np.einsum("nhd,hrd->hrn", kz, qr)[..., None])
+            scores.append(sc.reshape(*sc.shape[:2], -1))
+            vals.append(f64(blocks_to_tokens(dequantize_value_blocks(
+                pool.v_codes[idx], pool.v_scales[idx], pool.v_zeros[idx], bits=bits))))
+        if t:
+            scores.append(np.einsum("htd,hrd->hrt", f64(pool.tail_k[s, :, :t]), qi))
+            vals.append(f64(pool.tail_v[s, :, :t]))
+        if not scores:
+            outs.append(np.zeros(q.shape[1:]))
+            extra.append(0.0)
+            continue
+        logits = np.concatenate(scores, axis=-1) * scale
+        v = np.concatenate(vals, axis=1)
+        p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        outs.append(np.einsum("hrt,htd->hrd", p, v).reshape(q.shape[1:]))
+        extra.append(6 * UNIT_ROUNDOFF[mx.float16] * float(np.abs(v).max()))
+    return (mx.array(np.stack(outs).astype(np.float32)),
+            np.array(extra, dtype=np.float64)[:, None, None])
+
+
 def expect(q, pool, table, nb, slots, tl, *, scale, bits, group_size=32):
     """(reference, extra tolerance) for the split kernel this call dispatches to."""
     args = (q, pool, table, nb, slots, tl)
     if (_backend() is kivi_cuda
             and kivi_cuda.mma_supports(q.shape, pool, bits, group_size) is None):
+        if kivi_cuda.fold_applies(pool):
+            return oracle_fold(*args, scale=scale, bits=bits, group_size=group_size)
         return oracle_mma(*args, scale=scale, bits=bits, group_size=group_size)
     return oracle(*args, scale=scale, bits=bits, group_size=group_size), None
 
@@ -274,6 +326,25 @@ def test_kernel_template_holds_no_length():
         grids.add(plan.split_kw["grid"])
     assert len(seen) == 1
     assert len(grids) == 3
+
+
+def test_fold_path_is_chosen_for_fp16_pools_only(monkeypatch):
+    """The MMA kernel's FOLD template constant (host side, no GPU needed): 1 for fp16
+    pools, 0 for bf16 (its codes would be bf16 subnormals) and under KIVIQ_KIVI_FOLD=0."""
+    rng = np.random.default_rng(5)
+
+    def fold(dtype):
+        q, pool, *meta = make_case(rng, lens=[(3, 40)], h_kv=2, rep=4, d=128, bits=2, dtype=dtype)
+        plan = kivi_cuda.AttendPlan(q.shape, q.dtype, pool, *meta, scale=0.1, bits=2, group_size=32)
+        return dict(plan.split_kw["template"])["FOLD"], kivi_cuda.fold_applies(pool)
+
+    assert fold(mx.float16) == (1, True)
+    assert fold(mx.bfloat16) == (0, False)
+    monkeypatch.setenv(kivi_cuda.FOLD_ENV, "0")
+    assert fold(mx.float16) == (0, False)
+    monkeypatch.setenv(kivi_cuda.FOLD_ENV, "yes")
+    with pytest.raises(ValueError, match="KIVIQ_KIVI_FOLD"):
+        fold(mx.float16)
 
 
 def test_step_plan_cuts_the_tail_into_row_splits_and_sizes_the_merge():
