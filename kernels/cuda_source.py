@@ -21,7 +21,31 @@ from __future__ import annotations
 
 import re
 
+import mlx.core as mx
+
 _NAME = re.compile(r"\b(?:kivi|KIVI)_\w+")
+
+# dtype -> (its C type in a kernel, its tag in MLX's name for a kernel instance)
+CUDA_TYPES = {mx.float16: ("__half", "float16_t"), mx.bfloat16: ("__nv_bfloat16", "bfloat16_t"),
+              mx.float32: ("float", "float"), mx.int32: ("int32_t", "int32_t"),
+              mx.uint8: ("uint8_t", "uint8_t")}
+_PRELUDE = ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n"
+            "#include <cooperative_groups.h>\n")
+
+
+def translation_unit(name: str, header: str, source: str, inputs, outputs, template) -> str:
+    """The CUDA file MLX's `cuda_kernel` compiles for one instance (as
+    mlx/backend/cuda/custom_kernel.cpp writes it), with the standard CUDA headers in
+    place of MLX's utils.cuh, which kiviq's kernels do not use: for compiling a kernel
+    offline with nvcc (tests/test_cuda_source.py, benchmarks/kernel_sass.py).
+    inputs / outputs: (name, dtype) pairs; template: (name, dtype or int) pairs."""
+    text = _PRELUDE + header + "namespace mlx::core::cu {\n__global__ void custom_kernel_" + name + "(\n"
+    text += "".join(f"    const {CUDA_TYPES[dt][0]}* {n},\n" for n, dt in inputs)
+    text += ",\n".join(f"    {CUDA_TYPES[dt][0]}* {n}" for n, dt in outputs) + ") {\n"
+    for n, v in template:
+        text += (f"  using {n} = {CUDA_TYPES[v][0]};\n" if isinstance(v, mx.Dtype)
+                 else f"  constexpr int {n} = {v};\n")
+    return text + source + "\n}\n}\n"
 
 
 def compact(cuda: str) -> str:

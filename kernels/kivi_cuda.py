@@ -99,7 +99,7 @@ import os
 
 import mlx.core as mx
 
-from kernels.cuda_source import compact, kernel_header
+from kernels.cuda_source import CUDA_TYPES, compact, kernel_header
 from kernels.kivi_reference import check_flush_args, shifted_tail, write_flushed
 from kernels.layout import KiviPool, check_layout
 
@@ -1479,9 +1479,6 @@ def attend_templates(q_dtype, pool, *, bits, group_size, rep, warps=WARPS):
 # compiles the kernel for N blocks per SM for the next A/B.
 MMA_MIN_BLOCKS = 0  # blocks of WARPS warps per SM the MMA kernel is compiled for; 0: no bounds
 MIN_BLOCKS_ENV = "KIVIQ_KIVI_MIN_BLOCKS"
-_CUDA_TYPES = {mx.float16: ("__half", "float16_t"), mx.bfloat16: ("__nv_bfloat16", "bfloat16_t"),
-               mx.float32: ("float", "float"), mx.int32: ("int32_t", "int32_t"),
-               mx.uint8: ("uint8_t", "uint8_t")}
 
 
 def bounded_declaration(name: str, template, inputs, outputs, threads: int,
@@ -1489,10 +1486,10 @@ def bounded_declaration(name: str, template, inputs, outputs, threads: int,
     """The forward declaration, with `__launch_bounds__(threads, min_blocks)`, of the
     kernel MLX generates for `name` and `template` with these (name, dtype) inputs
     and outputs (source that reads no `<input>_shape`/`_strides`/`_ndim`)."""
-    tag = "".join(f"_{_CUDA_TYPES[v][1]}" if isinstance(v, mx.Dtype) else f"_{int(v)}"
+    tag = "".join(f"_{CUDA_TYPES[v][1]}" if isinstance(v, mx.Dtype) else f"_{int(v)}"
                   for _, v in template)
-    args = ([f"const {_CUDA_TYPES[dt][0]}* {n}" for n, dt in inputs]
-            + [f"{_CUDA_TYPES[dt][0]}* {n}" for n, dt in outputs])
+    args = ([f"const {CUDA_TYPES[dt][0]}* {n}" for n, dt in inputs]
+            + [f"{CUDA_TYPES[dt][0]}* {n}" for n, dt in outputs])
     return ("namespace mlx::core::cu {\n"
             f"__global__ void __launch_bounds__({threads}, {min_blocks}) "
             f"custom_kernel_{name}{tag}({', '.join(args)});\n"

@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 
 from kernels import kivi_cuda
-from kernels.cuda_source import compact, kernel_header, top_level_items
+from kernels.cuda_source import compact, kernel_header, top_level_items, translation_unit
 
 HEADER = kivi_cuda.HEADER
 SOURCES = {"split_mma": kivi_cuda.ATTEND_MMA_SOURCE, "split_v1": kivi_cuda.ATTEND_SOURCE,
@@ -67,22 +67,6 @@ def test_merge_and_flush_leave_the_split_machinery_out():
 
 # ---- the same PTX, compiled with nvcc (no GPU needed) ----------------------------------
 
-_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float",
-          mx.int32: "int32_t", mx.uint8: "uint8_t"}
-_PRELUDE = ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n"
-            "#include <cooperative_groups.h>\n")
-
-
-def _as_mlx_builds_it(name, header, source, inputs, outputs, template) -> str:
-    """The translation unit MLX's cuda_kernel generates (mlx/backend/cuda/custom_kernel.cpp),
-    with the standard CUDA headers in place of MLX's utils.cuh, which these kernels do not use."""
-    text = _PRELUDE + header + "namespace mlx::core::cu {\n__global__ void custom_kernel_" + name + "(\n"
-    text += "".join(f"    const {_TYPES[dt]}* {n},\n" for n, dt in inputs)
-    text += ",\n".join(f"    {_TYPES[dt]}* {n}" for n, dt in outputs) + ") {\n"
-    for n, v in template:
-        text += f"  using {n} = {_TYPES[v]};\n" if isinstance(v, mx.Dtype) else f"  constexpr int {n} = {v};\n"
-    return text + source + "\n}\n}\n"
-
 
 def _ptx(tmp_path, tag: str, text: str) -> list[str]:
     src, out = tmp_path / f"{tag}.cu", tmp_path / f"{tag}.ptx"
@@ -119,7 +103,7 @@ def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
     ]
     for kernel, inputs, outputs, template in cases:
         source = SOURCES[kernel]
-        full = _ptx(tmp_path, kernel + "_full", _as_mlx_builds_it(kernel, HEADER, source, inputs, outputs, template))
-        small = _ptx(tmp_path, kernel + "_small", _as_mlx_builds_it(
+        full = _ptx(tmp_path, kernel + "_full", translation_unit(kernel, HEADER, source, inputs, outputs, template))
+        small = _ptx(tmp_path, kernel + "_small", translation_unit(
             kernel, kernel_header(HEADER, source), compact(source), inputs, outputs, template))
         assert full == small, kernel
