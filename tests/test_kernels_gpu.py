@@ -347,6 +347,23 @@ def test_fold_path_is_chosen_for_fp16_pools_only(monkeypatch):
         fold(mx.float16)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_fold_oracle_is_the_reference_within_its_stated_rounding(bits):
+    """oracle_fold (what the FOLD kernel is checked against on a GPU) against the
+    float32 reference, on any machine: its only departures are the fp16 roundings of
+    q and q * scale (scores) it models, so the outputs agree within a few fp16 ulps
+    of the values; a wrong fold (scale or zero on the wrong side) would not."""
+    rng = np.random.default_rng(11)
+    args = make_case(rng, lens=[(3, 40), (0, 5), (9, 128)], h_kv=2, rep=4, d=128, bits=bits,
+                     dtype=mx.float16)
+    ref = to_np(oracle(*args, scale=0.09, bits=bits))
+    got, extra = oracle_fold(*args, scale=0.09, bits=bits)
+    vmax = extra / (6 * UNIT_ROUNDOFF[mx.float16])
+    err = np.abs(to_np(got) - ref)
+    assert np.all(err <= 4 * UNIT_ROUNDOFF[mx.float16] * vmax), float(err.max())
+    assert err.max() > 0  # the roundings are there: the oracle is not the reference itself
+
+
 def test_step_plan_cuts_the_tail_into_row_splits_and_sizes_the_merge():
     """The host side of one decode step (no GPU needed): MMA splits of one block, the
     tail in 32-row splits counted in params[4] (the kernels and the merge read it), and
