@@ -29,7 +29,7 @@ merge. There are two split kernels with the same inputs, outputs, grid and merge
      With fp16 pools it takes its FOLD path (`fold_applies`; the comment above
      ATTEND_MMA_SOURCE): scales folded into q and p, zeros in two small MMAs, a code
      pair one AND (an fp16 subnormal). ~23% fewer instructions per tile; on the H200
-     1.09-1.14x faster than dequantizing at B >= 32 (docs/benchmarks.md, session 12).
+     1.09-1.15x faster than dequantizing at B >= 32 (docs/benchmarks.md, session 12).
   1b. `kivi_attend_split` (everything else: 8-bit, G != 32, D 32/256, or
      KIVIQ_KIVI_KERNEL=v1 for A/B runs): CUDA cores, float32 throughout. One warp per
      (b, h, split), 4 warps per thread block (they share (b, h) and stage its query rows
