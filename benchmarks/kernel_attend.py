@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import math
 import os
@@ -117,6 +118,22 @@ VARIANT_ENV = {  # variant -> environment of the call
 _PLANS: dict = {}  # (id of an input, bits, variant) -> its launch plan; cleared per shape
 
 
+@contextlib.contextmanager
+def variant_env(variant):
+    """The environment of one of VARIANT_ENV's variants, for the block only."""
+    env = VARIANT_ENV[variant]
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
 def kernel_fn(args, bits, variant="auto"):
     """The dispatched kernel in one of VARIANT_ENV's variants, as a decode step's layer
     runs it: the launch plan (`dispatch.attend_plan`) is made once per input, as the
@@ -124,19 +141,10 @@ def kernel_fn(args, bits, variant="auto"):
     key = (id(args), bits, variant)
     plan = _PLANS.get(key)
     if plan is None:
-        env = VARIANT_ENV[variant]
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            q, pool, *meta = args
+        q, pool, *meta = args
+        with variant_env(variant):
             plan = _PLANS[key] = dispatch.attend_plan(q.shape, q.dtype, pool, *meta, scale=SCALE, bits=bits,
                                                       use_kernel=True)
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    del os.environ[k]
-                else:
-                    os.environ[k] = v
     return plan(args[0], args[1])
 
 
@@ -258,15 +266,15 @@ def check(args, dense_out, bits, variant="auto"):
     """
     out = kernel_fn(args, bits, variant)
     q, pool, table, nb, slots, tl = args
-    mma = (variant != "v1" and dispatch.backend() == "cuda"
-           and kivi_cuda.mma_supports(q.shape, pool, bits, G) is None)
+    with variant_env(variant):  # which split kernel and path the variant's plan took
+        mma = dispatch.backend() == "cuda" and kivi_cuda.mma_supports(q.shape, pool, bits, G) is None
+        fold = mma and kivi_cuda.fold_applies(pool)
     sub = (q[:2].astype(mx.float32), pool, table[:2], nb[:2], slots[:2], tl[:2])
     ref = decode_attention(*sub, scale=SCALE, bits=bits)
     o = np.array(out.astype(mx.float32))
     r = np.array(ref)
     rowmax = np.abs(r).max(axis=-1, keepdims=True)
     err_ref = np.abs(o[:2] - r)
-    fold = mma and variant != "nofold" and kivi_cuda.fold_applies(pool)
     extra = (6 if fold else 2) * 2.0**-11 * 4.5 if mma else 0.0
     ok_ref = bool(np.all(err_ref <= 2.0**-10 * np.abs(r) + 1e-4 * rowmax + extra))
     dq = np.array(dense_out.astype(mx.float32))

@@ -1591,14 +1591,13 @@ class AttendPlan:
                                                     group_size=group_size, rep=rep)
         if mma:
             template = template + [("FOLD", int(fold_applies(pool)))]
-        self.split_kw["template"] = template
-        if mma:
             min_blocks = int(os.environ.get(MIN_BLOCKS_ENV, MMA_MIN_BLOCKS))
             dtypes = [q_dtype, *(a.dtype for a in pool), *(a.dtype for a in self.meta),
                       pool.tail_k.dtype, pool.tail_v.dtype]
             self.split = _mma_kernel(template, dtypes, min_blocks)
         else:
             self.split = ATTEND_KERNEL
+        self.split_kw["template"] = template
         mw = merge_warps(nsu)
         self.merge_kw = dict(
             template=merge_template + [("MERGE_WARPS", MERGE_WARPS)],
