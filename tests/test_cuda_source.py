@@ -126,9 +126,10 @@ def test_fold_takes_the_dequantization_out_of_the_block_loop():
     measurement behind the FOLD path (docs/benchmarks.md, session 12)."""
     from benchmarks.kernel_sass import compile_and_count, split_mma_unit
 
+    cuobjdump = _cuobjdump()
     for bits in (2, 4):
-        _, plain = compile_and_count(split_mma_unit(mx.float16, bits, 128, 4, 0), _cuobjdump(), None)
-        _, fold = compile_and_count(split_mma_unit(mx.float16, bits, 128, 4, 1), _cuobjdump(), None)
+        _, plain = compile_and_count(split_mma_unit(mx.float16, bits, 128, 4, 0), cuobjdump, None)
+        _, fold = compile_and_count(split_mma_unit(mx.float16, bits, 128, 4, 1), cuobjdump, None)
         assert plain["HFMA2"] >= 128 and plain["HADD2"] >= 128
         assert fold["HFMA2"] == 0 and fold["HADD2"] == 0
         assert sum(fold.values()) < 0.8 * sum(plain.values())
