@@ -79,8 +79,8 @@ def kv_budget(model, bits: int, tokens: list[int], flush_blocks: int = 1, slack_
     """KV bytes kiviq's store (default G and R) needs for sequences of these
     token counts at this bit width: a tail slot each, and ceil(n / G) +
     ``slack_blocks`` blocks each (a pool sized to the run, not to the device)."""
-    from engine.kivi_cache import attention_shape, model_dtype
-    from engine.kv_store import KiviStore, KVConfig
+    from kiviq.engine.kivi_cache import attention_shape, model_dtype
+    from kiviq.engine.kv_store import KiviStore, KVConfig
 
     layers, kv_heads, head_dim = attention_shape(model)
     probe = KiviStore(layers, kv_heads, head_dim, config=KVConfig(bits, flush_blocks=flush_blocks), num_blocks=1,
@@ -110,7 +110,7 @@ def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bi
     Raises:
         SystemExit: the budget did not hold the batch (a preemption).
     """
-    from engine import Request, build_engine
+    from kiviq.engine import Request, build_engine
 
     b, prompt_tokens = len(prompts), sum(map(len, prompts))
     budget = 1 << 16  # tokens per engine step

@@ -68,13 +68,13 @@ import numpy as np  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from benchmarks.common import command, machine, table  # noqa: E402
-from engine.batch_engine import Engine, _StoreCounts  # noqa: E402
-from engine.kivi_cache import KiviLayerCache, make_store  # noqa: E402
-from engine.kv_store import KiviStore, KVConfig  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
-from engine.setup import build_engine, context_length  # noqa: E402
+from kiviq.engine.batch_engine import Engine, _StoreCounts  # noqa: E402
+from kiviq.engine.kivi_cache import KiviLayerCache, make_store  # noqa: E402
+from kiviq.engine.kv_store import KiviStore, KVConfig  # noqa: E402
+from kiviq.engine.request import Request  # noqa: E402
+from kiviq.engine.scheduler import Scheduler  # noqa: E402
+from kiviq.engine.sequence import Sequence  # noqa: E402
+from kiviq.engine.setup import build_engine, context_length  # noqa: E402
 
 GIB = 1 << 30
 # The engine's defaults (the worker passes neither): admission reserve, tokens per step.

@@ -41,8 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import command, machine, prefilled_engine, table  # noqa: E402
 from benchmarks.engine_host import _ID_TOKENIZER as ID_TOKENIZER  # noqa: E402
 from benchmarks.engine_host import model_args  # noqa: E402
-from engine import kv_store as kv_store_module  # noqa: E402
-from kernels import dispatch  # noqa: E402
+from kiviq.engine import kv_store as kv_store_module  # noqa: E402
+from kiviq.kernels import dispatch  # noqa: E402
 
 def stats(xs: list[float], unit: float = 1e6) -> str:
     v = [x * unit for x in xs]
@@ -86,8 +86,8 @@ def trivial_kernel(x):
 
 def op_costs(args, dtype) -> list[list]:
     """Rows: op, build us/op, eval us/op (min / median / max)."""
-    from kernels.kivi_quant import quantize_key_blocks, quantize_value_blocks
-    from kernels.layout import allocate_pool, KiviPool
+    from kiviq.kernels.kivi_quant import quantize_key_blocks, quantize_value_blocks
+    from kiviq.kernels.layout import allocate_pool, KiviPool
 
     rows = []
     n, rep = args.chain, args.repeats

@@ -27,9 +27,9 @@ from mlx_lm.generate import BatchGenerator, generate_step  # noqa: E402
 from mlx_lm.utils import _get_classes  # noqa: E402
 
 from benchmarks.common import kv_budget  # noqa: E402
-from engine import Request, build_engine  # noqa: E402
-from engine.flat_quantized import flat_quantized_matmuls  # noqa: E402
-from engine.kivi_cache import attention_shape  # noqa: E402
+from kiviq.engine import Request, build_engine  # noqa: E402
+from kiviq.engine.flat_quantized import flat_quantized_matmuls  # noqa: E402
+from kiviq.engine.kivi_cache import attention_shape  # noqa: E402
 
 SHAPES = {
     "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,
@@ -197,7 +197,7 @@ def main() -> None:
     if not mx.metal.is_available() and not (hasattr(mx, "cuda") and mx.cuda.is_available()):
         print("note: no GPU backend; CPU numbers are not the target of this benchmark", file=sys.stderr)
     if args.model:
-        from engine.model_loading import load
+        from kiviq.engine.model_loading import load
         model = load(None if args.model == "smollm2" else args.model)[0]
         vocab = model.args.vocab_size
         what = f"{args.model} real weights, as engine.model_loading loads them"

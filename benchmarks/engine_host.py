@@ -73,12 +73,12 @@ def child(args) -> dict:
     import mlx.core as mx
     from mlx_lm.utils import _get_classes
 
-    import engine.kv_store
-    from engine import Request, build_engine
+    import kiviq.engine.kv_store
+    from kiviq.engine import Request, build_engine
 
     if args.attention == "stub":  # the store calls the dispatcher through these module names
-        engine.kv_store.decode_attend = lambda q, *_, **__: q  # trees before the per-step plan
-        engine.kv_store.attend_plan = lambda *_, **__: (lambda q, pool: q)
+        kiviq.engine.kv_store.decode_attend = lambda q, *_, **__: q  # trees before the per-step plan
+        kiviq.engine.kv_store.attend_plan = lambda *_, **__: (lambda q, pool: q)
 
     cfg = model_args(args.hidden, args.vocab)
     model_cls, args_cls = _get_classes(cfg)

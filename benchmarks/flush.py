@@ -40,9 +40,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.common import command, machine, table  # noqa: E402
-from kernels import dispatch, kivi_cuda  # noqa: E402
-from kernels.kivi_reference import check_flush_args, write_flushed  # noqa: E402
-from kernels.layout import allocate_pool  # noqa: E402
+from kiviq.kernels import dispatch, kivi_cuda  # noqa: E402
+from kiviq.kernels.kivi_reference import check_flush_args, write_flushed  # noqa: E402
+from kiviq.kernels.layout import allocate_pool  # noqa: E402
 
 LAYERS, H_KV, D, G, R, SLOTS, BITS = 36, 8, 128, 32, 128, 64, 4
 

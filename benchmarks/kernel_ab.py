@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.common import command, machine, table  # noqa: E402
 from benchmarks.kernel_attend import SCALE, make_input, time_variants  # noqa: E402
-from kernels import kivi_cuda  # noqa: E402
+from kiviq.kernels import kivi_cuda  # noqa: E402
 
 
 def load_base(rev: str):

@@ -47,10 +47,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import dispatch, kivi_cuda  # noqa: E402
-from kernels.kivi_quant import dequantize_key_blocks, dequantize_value_blocks  # noqa: E402
-from kernels.kivi_reference import decode_attention  # noqa: E402
-from kernels.layout import KiviPool  # noqa: E402
+from kiviq.kernels import dispatch, kivi_cuda  # noqa: E402
+from kiviq.kernels.kivi_quant import dequantize_key_blocks, dequantize_value_blocks  # noqa: E402
+from kiviq.kernels.kivi_reference import decode_attention  # noqa: E402
+from kiviq.kernels.layout import KiviPool  # noqa: E402
 
 H_Q, H_KV, D, G, R = 32, 8, 128, 32, 128
 SCALE = D**-0.5

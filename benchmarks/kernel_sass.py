@@ -29,8 +29,8 @@ import mlx.core as mx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import kivi_cuda  # noqa: E402
-from kernels.cuda_source import compact, kernel_header, translation_unit  # noqa: E402
+from kiviq.kernels import kivi_cuda  # noqa: E402
+from kiviq.kernels.cuda_source import compact, kernel_header, translation_unit  # noqa: E402
 
 DTYPES = {"fp16": mx.float16, "bf16": mx.bfloat16}
 _ADDR = re.compile(r"/\*([0-9a-f]{4,})\*/")

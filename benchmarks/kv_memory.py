@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-import kernels.kivi_reference as reference  # noqa: E402
+import kiviq.kernels.kivi_reference as reference  # noqa: E402
 from benchmarks.common import command, machine, mib, table  # noqa: E402
-from engine.kivi_cache import KiviLayerCache  # noqa: E402
-from engine.kv_store import KiviStore, KVConfig  # noqa: E402
+from kiviq.engine.kivi_cache import KiviLayerCache  # noqa: E402
+from kiviq.engine.kv_store import KiviStore, KVConfig  # noqa: E402
 
 SHAPES = {
     # name: (layers, kv heads, head dim, query heads)
@@ -128,17 +128,17 @@ def main() -> None:
     # chunk_desc: the table column; decode_desc: the header line.
     chunk_desc = "unbounded" if reference.CHUNK_BLOCKS >= 1 << 30 else str(reference.CHUNK_BLOCKS)
     decode_desc = f"reference, CHUNK_BLOCKS={chunk_desc}"
-    from kernels.dispatch import backend
+    from kiviq.kernels.dispatch import backend
 
     if args.decode_from:
         import importlib.util
 
-        import engine.kv_store
+        import kiviq.engine.kv_store
 
         spec = importlib.util.spec_from_file_location("decode_from", args.decode_from)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        engine.kv_store.decode_attend = module.decode_attention
+        kiviq.engine.kv_store.decode_attend = module.decode_attention
         chunk_desc = decode_desc = f"decode_attention from {args.decode_from}"
     elif backend() != "reference":  # the store's decode_attend dispatches to a kernel
         chunk_desc = decode_desc = f"{backend()} kernel"

@@ -124,8 +124,8 @@ def full_forward_nll(model, tokens: list[int]) -> tuple[np.ndarray, mx.array]:
 
 
 def kivi_cache(model, bits: int, group_size: int, residual: int, n_tokens: int, flush_blocks: int = 1):
-    from engine.kivi_cache import KiviSequenceCache, make_store
-    from engine.kv_store import KVConfig
+    from kiviq.engine.kivi_cache import KiviSequenceCache, make_store
+    from kiviq.engine.kv_store import KVConfig
 
     store = make_store(model, KVConfig(bits, group_size, residual, flush_blocks), max_sequences=1,
                        context=n_tokens + group_size)
@@ -197,7 +197,7 @@ def prompt_tokens(tokenizer, n: int) -> list[list[int]]:
 def generate_all(model, tokenizer, prompts: list[list[int]], kv_bits: int, residual: int, args
                  ) -> list[tuple[list[int], str]]:
     """Greedy generations (tokens, finish reason) for every prompt, in prompt order."""
-    from engine import Request, build_engine
+    from kiviq.engine import Request, build_engine
 
     kwargs = {}
     if kv_bits != 16:
@@ -310,7 +310,7 @@ def main() -> None:
     if not 1 <= args.prompts <= len(PROMPTS):
         ap.error(f"--prompts must be in 1..{len(PROMPTS)}")
 
-    from engine import load
+    from kiviq.engine import load
 
     print(f"# {command()}")
     print(f"# {machine()}")

@@ -25,7 +25,7 @@ import mlx.nn as nn  # noqa: E402
 from mlx_lm.utils import _get_classes  # noqa: E402
 
 from benchmarks.engine import IdTokenizer, kivi_budget  # noqa: E402
-from engine import Request, build_engine  # noqa: E402
+from kiviq.engine import Request, build_engine  # noqa: E402
 
 TINY = dict(model_type="llama", hidden_size=128, num_hidden_layers=1, intermediate_size=256,
             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512,

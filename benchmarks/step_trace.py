@@ -50,11 +50,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mlx.core as mx  # noqa: E402
 
-import engine.kv_store as kv_store_module  # noqa: E402
-from kernels import dispatch, kivi_cuda  # noqa: E402
+import kiviq.engine.kv_store as kv_store_module  # noqa: E402
+from kiviq.kernels import dispatch, kivi_cuda  # noqa: E402
 from benchmarks.common import command, device_trace, machine, prefilled_engine, table  # noqa: E402
 from benchmarks.engine import SHAPES, IdTokenizer, random_model  # noqa: E402
-from engine.flat_quantized import flat_quantized_matmuls  # noqa: E402
+from kiviq.engine.flat_quantized import flat_quantized_matmuls  # noqa: E402
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:

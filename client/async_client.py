@@ -21,11 +21,12 @@ from redis import connection as sync_connection_module
 from redis.asyncio import Redis as AsyncRedis
 from redis.asyncio import connection as async_connection_module
 
-from client.client import Client, redis_url_from_env
-from client.streaming import EventCursor, JobFailed, TextDeltas, wait_s
-from jobs.keys import event_channel, replay_log
-from jobs.models import EventType, GenerateRequest, GenerationResult, StreamEvent
-from jobs.validation import validate_request
+from kiviq.client.client import Client
+from kiviq.jobs.settings import redis_url_from_env
+from kiviq.client.streaming import EventCursor, JobFailed, TextDeltas, wait_s
+from kiviq.jobs.keys import event_channel, replay_log
+from kiviq.jobs.models import EventType, GenerateRequest, GenerationResult, StreamEvent
+from kiviq.jobs.validation import validate_request
 
 # Async connection classes -> the sync class that speaks to the same server.
 _SYNC_CONNECTION_CLASS = {

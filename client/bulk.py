@@ -37,13 +37,13 @@ from typing import IO, TYPE_CHECKING, Any
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from client.client import QueueFull
-from jobs.keys import event_channel, job_id_for_idempotency_key, replay_log
-from jobs.models import EventType, GenerateRequest, GenerationResult, StreamEvent
-from jobs.validation import InvalidRequest, validate_request
+from kiviq.client.errors import QueueFull
+from kiviq.jobs.keys import event_channel, job_id_for_idempotency_key, replay_log
+from kiviq.jobs.models import EventType, GenerateRequest, GenerationResult, StreamEvent
+from kiviq.jobs.validation import InvalidRequest, validate_request
 
 if TYPE_CHECKING:
-    from client.client import Client
+    from kiviq.client.client import Client
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"

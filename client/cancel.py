@@ -9,9 +9,9 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from jobs.keys import cancel_flag
-from jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, Usage
-from jobs.publisher import EventPublisher
+from kiviq.jobs.keys import cancel_flag
+from kiviq.jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, Usage
+from kiviq.jobs.publisher import EventPublisher
 
 CANCEL_FLAG_TTL_S = 24 * 3600
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import subprocess
 import sys
 
-from client.client import Client, redis_url_from_env
-from client.local_redis import ensure_redis
+from kiviq.client.client import Client
+from kiviq.client.local_redis import ensure_redis
+from kiviq.jobs.settings import redis_url_from_env
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -17,53 +17,6 @@ DEMO_PROMPTS = [
     "Give me three tips for learning Python.",
     "Explain in one sentence what a GPU is.",
 ]
-
-# Debian/Ubuntu's OpenBLAS. MLX's Linux CPU wheel links the reference BLAS;
-# preloading OpenBLAS makes CPU float32 matmuls ~20x faster (DESIGN.md).
-OPENBLAS_GLOBS = ["/usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0"]
-
-
-def openblas_env() -> dict[str, str]:
-    """The environment with OpenBLAS preloaded, where it exists and helps."""
-    env = dict(os.environ)
-    if not sys.platform.startswith("linux") or env.get("KIVIQ_OPENBLAS") == "0":
-        return env
-    if "openblas" in env.get("LD_PRELOAD", ""):
-        return env
-    found = sorted(p for g in OPENBLAS_GLOBS for p in glob.glob(g))
-    if found:
-        env["LD_PRELOAD"] = ":".join(filter(None, [found[0], env.get("LD_PRELOAD")]))
-    return env
-
-
-def _reexec_with_openblas() -> None:
-    env = openblas_env()
-    if env.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):
-        os.execve(sys.executable, [sys.executable, "-m", "client.cli", *sys.argv[1:]], env)
-
-
-def parse_bytes(text: str) -> int:
-    """'2GiB', '512MiB', '1e9' -> bytes."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    t = text.strip().lower()
-    for suffix, factor in units.items():
-        if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * factor)
-    return int(float(t))
-
-
-def cmd_worker(args: argparse.Namespace) -> int:
-    _reexec_with_openblas()
-    from worker.main import run_worker
-
-    run_worker(args.model, args.redis_url, burst=args.burst, max_active=args.max_active, log_level=args.log_level,
-               kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_residual=args.kv_residual,
-               kv_flush_blocks=args.kv_flush_blocks, kv_memory=args.kv_memory, compile_decode=args.compile_decode,
-               pipeline_decode=args.pipeline_decode,
-               max_queued=args.max_queued, grace_s=args.grace,
-               metrics_port=args.metrics_port, metrics_host=args.metrics_host)
-    return 0
-
 
 def cmd_generate(args: argparse.Namespace) -> int:
     client = Client(args.redis_url)
@@ -93,7 +46,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from client.top import run_top
+    from kiviq.client.top import run_top
 
     return run_top(args.redis_url, interval=args.interval, once=args.once, as_json=args.json)
 
@@ -101,7 +54,7 @@ def cmd_top(args: argparse.Namespace) -> int:
 def cmd_bulk(args: argparse.Namespace) -> int:
     import json
 
-    from jobs.validation import InvalidRequest
+    from kiviq.jobs.validation import InvalidRequest
 
     defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                     stop=args.stop, priority=args.priority, timeout_s=args.job_timeout)
@@ -118,10 +71,10 @@ def cmd_bulk(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     url, stop_redis, kind = ensure_redis(redis_url_from_env(args.redis_url))
     print(f"[kiviq] Redis: {kind}", flush=True)
-    worker_cmd = [sys.executable, "-m", "client.cli", "worker", "--redis-url", url, "--log-level", "WARNING"]
+    worker_cmd = [sys.executable, "-m", "kiviq.worker", "--redis-url", url, "--log-level", "WARNING"]
     if args.model:
         worker_cmd += ["--model", args.model]
-    worker = subprocess.Popen(worker_cmd, env=openblas_env())
+    worker = subprocess.Popen(worker_cmd)
     try:
         client = Client(url)
         print(f"[kiviq] worker starting (model: {args.model or 'SmolLM2-135M-Instruct'}); enqueueing "
@@ -150,36 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kiviq", description="Batch LLM generation over Redis, on MLX.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    w = sub.add_parser("worker", help="serve jobs from Redis with a model")
-    w.add_argument("--model", default=None, help="local MLX/HF dir, GGUF file, or HF repo id (default: SmolLM2)")
-    w.add_argument("--redis-url", default=None, help="default: $REDIS_URL or redis://127.0.0.1:6379/0")
-    w.add_argument("--max-active", type=int, default=32, help="most sequences in the engine at once")
-    w.add_argument("--burst", action="store_true", help="exit when the queues are empty")
-    w.add_argument("--max-queued", type=int, default=None,
-                   help="queue limit clients must respect (submit raises QueueFull beyond it)")
-    w.add_argument("--grace", type=float, default=30.0,
-                   help="on SIGTERM, seconds running sequences may finish before being requeued")
-    w.add_argument("--kv-bits", type=int, choices=(2, 4, 8, 16), default=4,
-                   help="KIVI KV-cache bits (16: plain fp16 cache)")
-    w.add_argument("--kv-group-size", type=int, default=32, help="KIVI group size G")
-    w.add_argument("--kv-residual", type=int, default=128, help="KIVI fp16 window R (multiple of G)")
-    w.add_argument("--kv-flush-blocks", type=int, default=1,
-                   help="KIVI blocks quantized per flush k: a tail flushes at R + k*G tokens, so each "
-                        "sequence flushes k times less often (tails hold (k-1)*G more tokens)")
-    w.add_argument("--kv-memory", type=parse_bytes, default=None,
-                   help="KV store budget, e.g. 2GiB (default: a quarter of device memory)")
-    w.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay decode steps through mx.compile (less host work per step; same tokens; "
-                        "default: on where MLX runs on a GPU)")
-    w.add_argument("--pipeline-decode", action=argparse.BooleanOptionalAction, default=True,
-                   help="build each decode step while the previous one runs on the device (same tokens; "
-                        "events one step later; default on)")
-    w.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port)")
-    w.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address the metrics endpoint binds (0.0.0.0 inside a container)")
-    w.add_argument("--log-level", default="INFO")
-    w.set_defaults(func=cmd_worker)
+    # Listed for --help only: main() hands `kiviq worker ...` to `python -m kiviq.worker`.
+    sub.add_parser("worker", help="serve jobs from Redis with a model (kiviq worker --help)", add_help=False)
 
     g = sub.add_parser("generate", help="submit one prompt and stream the answer")
     g.add_argument("prompt")
@@ -234,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:  # the client never imports the worker: it runs in its place
+        os.execv(sys.executable, [sys.executable, "-m", "kiviq.worker", *argv[1:]])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,20 +11,17 @@ from rq.exceptions import DuplicateJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from client.cancel import cancel_job
-from client.streaming import JobFailed, iter_events, iter_text
-from jobs.keys import TASK_PATH, job_id_for_idempotency_key, max_queued_key, queue_name, queue_names
-from jobs.models import EventType, GenerateRequest, GenerationResult, StreamEvent
-from jobs.validation import validate_request
+from kiviq.client.bulk import run_bulk
+from kiviq.client.cancel import cancel_job
+from kiviq.client.errors import QueueFull
+from kiviq.client.streaming import JobFailed, iter_events, iter_text
+from kiviq.jobs.keys import TASK_PATH, job_id_for_idempotency_key, max_queued_key, queue_name, queue_names
+from kiviq.jobs.models import EventType, GenerateRequest, GenerationResult, StreamEvent
+from kiviq.jobs.settings import redis_url_from_env
+from kiviq.jobs.validation import validate_request
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 RESULT_TTL_S = 24 * 3600
 FAILURE_TTL_S = 7 * 24 * 3600
-
-
-def redis_url_from_env(redis_url: str | None = None) -> str:
-    """The explicit URL, else ``$REDIS_URL``, else the local default."""
-    return redis_url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
 
 
 class JobHandle:
@@ -79,10 +75,6 @@ class JobHandle:
 
     def _job(self) -> Job:
         return Job.fetch(self.job_id, connection=self._client.redis, serializer=JSONSerializer)
-
-
-class QueueFull(RuntimeError):
-    """The queues hold as many jobs as the operator allows; nothing was enqueued."""
 
 
 class Client:
@@ -171,8 +163,6 @@ class Client:
         """Run every request of a JSONL file (OpenAI Batch API or plain lines),
         appending one result line per custom_id to ``out_path``; resumable.
         See ``client.bulk.run_bulk``; returns its BulkSummary."""
-        from client.bulk import run_bulk  # bulk imports this module
-
         return run_bulk(self, in_path, out_path, max_in_flight=max_in_flight, defaults=defaults,
                         progress=progress)
 

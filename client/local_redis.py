@@ -32,11 +32,17 @@ def ensure_redis(url: str) -> tuple[str, Callable[[], None], str]:
     """Return a URL of a Redis that answers, a function that stops whatever was
     started (a no-op if nothing was), and a word saying which one it is.
 
-    Order: the given URL; a ``redis-server`` binary on a free port; an
-    embedded server (fakeredis over TCP, in this process).
+    Order: the given URL; else one started by ``start_redis``.
     """
     if answers(url):
         return url, lambda: None, "existing"
+    return start_redis()
+
+
+def start_redis() -> tuple[str, Callable[[], None], str]:
+    """Start a Redis of our own on a free port (a ``redis-server`` binary in a
+    temporary directory, else an embedded server) and return its URL, the
+    function that stops it, and which kind it is. Never reuses a running server."""
     port = free_port()
     binary = shutil.which("redis-server")
     if binary:
@@ -51,6 +57,7 @@ def ensure_redis(url: str) -> tuple[str, Callable[[], None], str]:
         def stop() -> None:
             proc.terminate()
             proc.wait(timeout=10)
+            shutil.rmtree(workdir, ignore_errors=True)
 
         return started, stop, "redis-server"
     from fakeredis import TcpFakeServer  # fallback only: no server binary here

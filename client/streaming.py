@@ -16,8 +16,8 @@ from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from jobs.keys import event_channel, replay_log
-from jobs.models import EventType, StreamEvent
+from kiviq.jobs.keys import event_channel, replay_log
+from kiviq.jobs.models import EventType, StreamEvent
 
 TERMINAL = (EventType.done, EventType.error)
 POLL_S = 1.0  # how often to re-read the log when the channel is quiet

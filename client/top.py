@@ -30,7 +30,7 @@ from urllib.parse import urlsplit, urlunsplit
 from redis import Redis
 from rq import Queue, Worker
 
-from jobs.keys import queue_names, worker_stats_key, worker_stats_pattern
+from kiviq.jobs.keys import queue_names, worker_stats_key, worker_stats_pattern
 
 OUTCOMES = ("finished", "failed", "cancelled", "timeout")
 
@@ -186,7 +186,7 @@ def run_top(redis_url: str | None = None, *, interval: float = 1.0, once: bool =
             out: TextIO | None = None) -> int:
     """``kiviq top``: redraw every ``interval`` s until Ctrl-C; ``once``
     prints one frame (or, with ``as_json``, the numbers) and returns."""
-    from client.client import redis_url_from_env
+    from kiviq.jobs.settings import redis_url_from_env
 
     out = out or sys.stdout
     url = redis_url_from_env(redis_url)

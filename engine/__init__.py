@@ -3,10 +3,10 @@
 Needs only mlx, mlx-lm and numpy (never redis, rq or pydantic).
 """
 
-from engine.batch_engine import Engine
-from engine.model_loading import load
-from engine.request import Request, SamplingParams, StepEvent
-from engine.serial_engine import SerialEngine
-from engine.setup import build_engine
+from kiviq.engine.batch_engine import Engine
+from kiviq.engine.model_loading import load
+from kiviq.engine.request import Request, SamplingParams, StepEvent
+from kiviq.engine.serial_engine import SerialEngine
+from kiviq.engine.setup import build_engine
 
 __all__ = ["Engine", "Request", "SamplingParams", "SerialEngine", "StepEvent", "build_engine", "load"]

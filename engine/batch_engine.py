@@ -15,14 +15,14 @@ from typing import Any
 
 import mlx.nn as nn
 
-from engine.detokenizer import make_detokenizer
-from engine.kv_store import KiviStore
-from engine.model_runner import ModelRunner
-from engine.request import Request, StepEvent, TokenLogprob
-from engine.sampler import RowState, Sampled, sample
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.stop import StopMatcher, final_text
+from kiviq.engine.detokenizer import make_detokenizer
+from kiviq.engine.kv_store import KiviStore
+from kiviq.engine.model_runner import ModelRunner
+from kiviq.engine.request import Request, StepEvent, TokenLogprob
+from kiviq.engine.sampler import RowState, Sampled, sample
+from kiviq.engine.scheduler import Scheduler
+from kiviq.engine.sequence import Sequence
+from kiviq.engine.stop import StopMatcher, final_text
 
 log = logging.getLogger("kiviq.engine")
 

@@ -38,8 +38,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.kivi_cache import KiviLayerCache
-from engine.kv_store import DecodeBatch, KiviStore
+from kiviq.engine.kivi_cache import KiviLayerCache
+from kiviq.engine.kv_store import DecodeBatch, KiviStore
 
 
 class CompiledDecode:

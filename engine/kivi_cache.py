@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_lm_base
 
-from engine.kv_store import DecodeBatch, KiviStore, KVConfig, SequenceKV
+from kiviq.engine.kv_store import DecodeBatch, KiviStore, KVConfig, SequenceKV
 
 _stock_sdpa = mlx_lm_base.scaled_dot_product_attention
 

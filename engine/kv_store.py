@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from kernels import (
+from kiviq.kernels import (
     KiviPool,
     allocate_pool,
     blocks_to_tokens,
@@ -36,7 +36,7 @@ from kernels import (
     quantize_value_blocks,
     tokens_to_blocks,
 )
-from kernels.dispatch import attend_plan, decode_attend, flush_layers, writes_tail
+from kiviq.kernels.dispatch import attend_plan, decode_attend, flush_layers, writes_tail
 
 
 @dataclass(frozen=True, slots=True)

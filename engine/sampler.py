@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.request import SamplingParams, TokenLogprob
+from kiviq.engine.request import SamplingParams, TokenLogprob
 
 
 @dataclass

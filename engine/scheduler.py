@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.sequence import Sequence, Status
+from kiviq.engine.sequence import Sequence, Status
 
 
 class Allocator(Protocol):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from engine.request import Request
+from kiviq.engine.request import Request
 
 
 class Status(Enum):

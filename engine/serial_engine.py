@@ -22,10 +22,10 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from engine.detokenizer import make_detokenizer
-from engine.request import Request, StepEvent, TokenLogprob
-from engine.sampler import Sampled, gather_logprobs
-from engine.stop import StopMatcher, final_text
+from kiviq.engine.detokenizer import make_detokenizer
+from kiviq.engine.request import Request, StepEvent, TokenLogprob
+from kiviq.engine.sampler import Sampled, gather_logprobs
+from kiviq.engine.stop import StopMatcher, final_text
 
 CacheFactory = Callable[[nn.Module], list[Any]]
 

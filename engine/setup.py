@@ -6,11 +6,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.batch_engine import Engine
-from engine.flat_quantized import flat_qmm_requested, flatten_quantized_matmuls
-from engine.kivi_cache import make_store
-from engine.kv_store import KVConfig
-from engine.serial_engine import SerialEngine
+from kiviq.engine.batch_engine import Engine
+from kiviq.engine.flat_quantized import flat_qmm_requested, flatten_quantized_matmuls
+from kiviq.engine.kivi_cache import make_store
+from kiviq.engine.kv_store import KVConfig
+from kiviq.engine.serial_engine import SerialEngine
 
 DEFAULT_CONTEXT = 8192
 

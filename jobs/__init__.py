@@ -1,7 +1,7 @@
 """Job contract: pydantic models and Redis names. Never imports mlx."""
 
-from jobs.keys import Priority, event_channel, queue_name, queue_names, replay_log
-from jobs.models import (
+from kiviq.jobs.keys import Priority, event_channel, queue_name, queue_names, replay_log
+from kiviq.jobs.models import (
     ChatMessage,
     EventType,
     FinishReason,
@@ -13,7 +13,7 @@ from jobs.models import (
     TopLogprob,
     Usage,
 )
-from jobs.validation import InvalidRequest, validate_request
+from kiviq.jobs.validation import InvalidRequest, validate_request
 
 __all__ = [
     "ChatMessage",

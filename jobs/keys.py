@@ -21,7 +21,7 @@ class Priority(str, Enum):
 PREFIX = os.environ.get("KIVIQ_KEY_PREFIX", "kiviq")
 
 # rq function path recorded on every job; see jobs.tasks.generate.
-TASK_PATH = "jobs.tasks.generate"
+TASK_PATH = "kiviq.jobs.tasks.generate"
 
 
 def queue_name(priority: Priority | str) -> str:

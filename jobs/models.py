@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from jobs.keys import Priority
+from kiviq.jobs.keys import Priority
 
 MAX_PROMPT_CHARS = 1_000_000  # payload bound: keeps one job from filling Redis
 MAX_NEW_TOKENS = 32_768

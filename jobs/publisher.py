@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from redis import Redis
 
-from jobs.keys import event_channel, replay_log
-from jobs.models import StreamEvent
-from jobs.streams import REPLAY_MAX_EVENTS, REPLAY_TTL_S
+from kiviq.jobs.keys import event_channel, replay_log
+from kiviq.jobs.models import StreamEvent
+from kiviq.jobs.streams import REPLAY_MAX_EVENTS, REPLAY_TTL_S
 
 
 class EventPublisher:

@@ -1,6 +1,6 @@
 """Replay-log policy shared by the publisher (worker) and readers (client)."""
 
-from jobs.models import MAX_NEW_TOKENS
+from kiviq.jobs.models import MAX_NEW_TOKENS
 
 # One event per generated token plus a few control events; the cap only ever
 # trims a log that outgrew any valid job, so a reader always sees every event.

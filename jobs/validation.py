@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from jobs.models import GenerateRequest
+from kiviq.jobs.models import GenerateRequest
 
 
 class InvalidRequest(ValueError):

@@ -1,7 +1,7 @@
 """KIVI kernels: storage layout, plain-ops reference, CUDA/Metal kernels, dispatch."""
 
-from kernels.dispatch import decode_attend, flush, kernel_available
-from kernels.kivi_quant import (
+from kiviq.kernels.dispatch import decode_attend, flush, kernel_available
+from kiviq.kernels.kivi_quant import (
     blocks_to_tokens,
     dequantize_key_blocks,
     dequantize_value_blocks,
@@ -11,8 +11,8 @@ from kernels.kivi_quant import (
     tokens_to_blocks,
     unpack,
 )
-from kernels.kivi_reference import decode_attention, decode_attention_dense, flush_tails
-from kernels.layout import KiviPool, allocate_pool, check_layout
+from kiviq.kernels.kivi_reference import decode_attention, decode_attention_dense, flush_tails
+from kiviq.kernels.layout import KiviPool, allocate_pool, check_layout
 
 __all__ = [
     "KiviPool",

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from kernels import kivi_cuda, kivi_metal
-from kernels.kivi_reference import (
+from kiviq.kernels import kivi_cuda, kivi_metal
+from kiviq.kernels.kivi_reference import (
     check_flush_args,
     decode_attention,
     flush_tails,
@@ -24,7 +24,7 @@ from kernels.kivi_reference import (
     shifted_tail,
     write_flushed,
 )
-from kernels.layout import KiviPool
+from kiviq.kernels.layout import KiviPool
 
 ENV = "KIVIQ_KERNELS"  # "reference" forces the reference; "auto" (default) picks
 

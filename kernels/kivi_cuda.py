@@ -99,9 +99,9 @@ import os
 
 import mlx.core as mx
 
-from kernels.cuda_source import CUDA_TYPES, compact, kernel_header
-from kernels.kivi_reference import check_flush_args, shifted_tail, write_flushed
-from kernels.layout import KiviPool, check_layout
+from kiviq.kernels.cuda_source import CUDA_TYPES, compact, kernel_header
+from kiviq.kernels.kivi_reference import check_flush_args, shifted_tail, write_flushed
+from kiviq.kernels.layout import KiviPool, check_layout
 
 LOG2E = 1.4426950408889634
 WARPS = 4  # warps per thread block of the split kernel

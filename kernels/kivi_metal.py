@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels.kivi_cuda import (
+from kiviq.kernels.kivi_cuda import (
     HEAD_DIMS,
     POOL_DTYPES,
     STEP_TOKENS,
@@ -31,7 +31,7 @@ from kernels.kivi_cuda import (
     split_plan,
     supports,
 )
-from kernels.layout import KiviPool
+from kiviq.kernels.layout import KiviPool
 
 TG_MEMORY = 32768  # bytes of threadgroup memory on Apple GPUs
 

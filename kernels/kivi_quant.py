@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels.layout import check_layout, codes_per_byte
+from kiviq.kernels.layout import check_layout, codes_per_byte
 
 
 def pack(codes: mx.array, bits: int) -> mx.array:

@@ -36,14 +36,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels.kivi_quant import (
+from kiviq.kernels.kivi_quant import (
     dequantize_groups,
     dequantize_value_blocks,
     quantize_key_blocks,
     quantize_value_blocks,
     unpack,
 )
-from kernels.layout import KiviPool, check_layout
+from kiviq.kernels.layout import KiviPool, check_layout
 
 _NEG_INF = float("-inf")
 

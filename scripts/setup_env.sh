@@ -23,4 +23,4 @@ if [ "$(uname -s)" = Linux ] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libop
         echo "note: install libopenblas0-pthread (Debian/Ubuntu) for much faster CPU generation" >&2
     fi
 fi
-export LD_PRELOAD="$(.venv/bin/python -c 'from client.cli import openblas_env; print(openblas_env().get("LD_PRELOAD", ""))')"
+export LD_PRELOAD="$(.venv/bin/python -c 'from kiviq.worker.blas import openblas_env; print(openblas_env().get("LD_PRELOAD", ""))')"

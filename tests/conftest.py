@@ -13,20 +13,26 @@ import pytest
 from redis import Redis
 
 ROOT = Path(__file__).resolve().parents[1]
-# A database of its own, flushed around each test, so tests never see each
-# other's jobs (or a developer's).
-TEST_REDIS_URL = os.environ.get("KIVIQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> str:
+    """A Redis server of the suite's own (redis-server on a free port in a
+    temporary directory; the embedded server where no binary exists), stopped
+    at the end. The suite never writes to a server it did not start."""
+    from kiviq.client.local_redis import start_redis
+
+    url, stop, _kind = start_redis()
+    yield url
+    stop()
 
 
 @pytest.fixture
-def redis_url() -> str:
-    conn = Redis.from_url(TEST_REDIS_URL)
-    try:
-        conn.ping()
-    except Exception as e:  # the suite's contract: a real server runs
-        pytest.fail(f"no Redis server at {TEST_REDIS_URL} ({e}); .ci/run starts one")
+def redis_url(redis_server) -> str:
+    """The suite's server, flushed around each test so tests never see each other's jobs."""
+    conn = Redis.from_url(redis_server)
     conn.flushdb()
-    yield TEST_REDIS_URL
+    yield redis_server
     conn.flushdb()
 
 
@@ -38,7 +44,7 @@ def redis_conn(redis_url) -> Redis:
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of the default model, loaded once per session."""
-    from engine import load
+    from kiviq.engine import load
 
     return load(None)
 
@@ -60,7 +66,7 @@ def start_worker(redis_url, redis_conn):
         log_file = open(log_path, "w")
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "client.cli", "worker", "--redis-url", redis_url, *args],
+            [sys.executable, "-m", "kiviq.worker", "--redis-url", redis_url, *args],
             cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
         )
         proc.log_path, proc.log_file = log_path, log_file

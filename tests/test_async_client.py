@@ -14,11 +14,11 @@ import redis.asyncio as aioredis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from client import AsyncClient, Client, InvalidRequest, JobFailed
-from client.async_client import aiter_events, aiter_text, sync_redis_like
-from jobs.keys import queue_name
-from jobs.models import EventType, StreamEvent
-from jobs.publisher import EventPublisher
+from kiviq.client import AsyncClient, Client, InvalidRequest, JobFailed
+from kiviq.client.async_client import aiter_events, aiter_text, sync_redis_like
+from kiviq.jobs.keys import queue_name
+from kiviq.jobs.models import EventType, StreamEvent
+from kiviq.jobs.publisher import EventPublisher
 
 
 def ev(seq, type_="token", text="", **kw):

@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import Engine, Request, SamplingParams
-from engine.kivi_cache import attention_shape, install_attention_hook, model_dtype
-from engine.kv_store import KiviStore, KVConfig
+from kiviq.engine import Engine, Request, SamplingParams
+from kiviq.engine.kivi_cache import attention_shape, install_attention_hook, model_dtype
+from kiviq.engine.kv_store import KiviStore, KVConfig
 from engine_runs import run_engine as run
 
 # Small G and R so that short test prompts already live mostly in quantized blocks.
@@ -110,8 +110,8 @@ def test_build_engine_compiles_decode_steps_where_mlx_runs_on_a_gpu(smollm2):
     """The worker's engine: pipelined everywhere, compiled by default only on a GPU
     (on a CPU the traces cost more than they save); compile_decode=True forces it,
     with block tables padded for fewer retraces."""
-    from engine import build_engine
-    from engine.setup import COMPILED_TABLE_COLUMNS
+    from kiviq.engine import build_engine
+    from kiviq.engine.setup import COMPILED_TABLE_COLUMNS
 
     model, tok = smollm2
     default = build_engine(model, tok, kv_memory=1 << 28, max_sequences=2)
@@ -355,7 +355,7 @@ def test_serial_engine_logprobs_match_mlx_lm(smollm2):
     generate_step yields (greedy, so at temperature 1 both ways)."""
     from mlx_lm.generate import generate_step
 
-    from engine import SerialEngine
+    from kiviq.engine import SerialEngine
 
     model, tok = smollm2
     prompt = tok.encode(TEXT)

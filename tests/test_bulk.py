@@ -19,11 +19,11 @@ from rq.job import Job
 from rq.registry import FinishedJobRegistry
 from rq.serializers import JSONSerializer
 
-from client import Client, InvalidRequest
-from client.bulk import Progress, BulkSummary, idempotency_key, parse_line, read_done
-from jobs.keys import job_id_for_idempotency_key, max_queued_key, queue_name, queue_names, replay_log
-from jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, Usage
-from jobs.publisher import EventPublisher
+from kiviq.client import Client, InvalidRequest
+from kiviq.client.bulk import Progress, BulkSummary, idempotency_key, parse_line, read_done
+from kiviq.jobs.keys import job_id_for_idempotency_key, max_queued_key, queue_name, queue_names, replay_log
+from kiviq.jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, Usage
+from kiviq.jobs.publisher import EventPublisher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,8 +79,8 @@ def test_openai_logprobs_fields_map():
 
 
 def test_ok_record_carries_logprobs_only_when_present():
-    from client.bulk import ok_record
-    from jobs.models import TokenLogprob, TopLogprob
+    from kiviq.client.bulk import ok_record
+    from kiviq.jobs.models import TokenLogprob, TopLogprob
 
     line = parse_line(json.dumps({"prompt": "Hi"}), 1)
     result = GenerationResult(job_id="j", text=" a", token_ids=[7], finish_reason=FinishReason.length,
@@ -289,8 +289,8 @@ def test_rerun_reattaches_to_jobs_left_by_a_killed_run(tmp_path, fake_server, fa
 def test_queue_full_waits_instead_of_failing(tmp_path, fake_server, fake_conn, monkeypatch):
     """With the operator's queue limit reached, bulk waits and retries (the
     worker starts only after the first refusal), writing no error lines."""
-    import client.bulk as bulk
-    from client.client import QueueFull
+    import kiviq.client.bulk as bulk
+    from kiviq.client.client import QueueFull
 
     monkeypatch.setattr(bulk, "QUEUE_FULL_RETRY_S", 0.05)
     refusals = []
@@ -322,7 +322,7 @@ def test_queue_full_waits_instead_of_failing(tmp_path, fake_server, fake_conn, m
 
 def test_vanished_job_is_an_error_line(tmp_path, fake_conn, monkeypatch):
     """A job deleted from Redis with no final event does not hang the run."""
-    import client.bulk as bulk
+    import kiviq.client.bulk as bulk
 
     monkeypatch.setattr(bulk, "SWEEP_EVERY_S", 0.05)
     src = write_jsonl(tmp_path / "in.jsonl", [{"custom_id": "gone", "prompt": "p", "max_tokens": 2}])
@@ -347,7 +347,7 @@ def test_vanished_job_is_an_error_line(tmp_path, fake_conn, monkeypatch):
 
 
 def bulk_cmd(redis_url: str, src: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "client.cli", "bulk", str(src), str(out), "--redis-url", redis_url, *extra]
+    return [sys.executable, "-m", "kiviq.client.cli", "bulk", str(src), str(out), "--redis-url", redis_url, *extra]
 
 
 def test_bulk_end_to_end(worker_process, redis_url, tmp_path):

@@ -13,8 +13,8 @@ from pathlib import Path
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from client import Client
-from jobs.keys import queue_name
+from kiviq.client import Client
+from kiviq.jobs.keys import queue_name
 
 ROOT = Path(__file__).resolve().parents[1]
 N = int(os.environ.get("KIVIQ_BURST_JOBS", "2000"))
@@ -46,7 +46,7 @@ def test_burst_of_tiny_jobs(worker_process, redis_url, redis_conn):
         assert h.result(timeout=10).usage.completion_tokens <= 1
     # Bounded memory: the worker keeps no per-job state after a job ends.
     assert rss_peak - rss_start < 400, (rss_start, rss_peak)
-    top = subprocess.run([sys.executable, "-m", "client.cli", "top", "--once", "--json", "--redis-url", redis_url],
+    top = subprocess.run([sys.executable, "-m", "kiviq.client.cli", "top", "--once", "--json", "--redis-url", redis_url],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert top.returncode == 0, top.stderr
     jobs = json.loads(top.stdout)["jobs"]

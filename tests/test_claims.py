@@ -11,10 +11,10 @@ from rq import Queue, SimpleWorker
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from client import Client
-from jobs.keys import alive_key, claim_key, queue_name, queue_names, recovery_lock_key, replay_log
-from worker import claims
-from worker.recovery import mark_alive, requeue_orphans
+from kiviq.client import Client
+from kiviq.jobs.keys import alive_key, claim_key, queue_name, queue_names, recovery_lock_key, replay_log
+from kiviq.worker import claims
+from kiviq.worker.recovery import mark_alive, requeue_orphans
 
 DEAD = "worker-that-was-killed"
 

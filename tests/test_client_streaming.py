@@ -8,9 +8,9 @@ import time
 import fakeredis
 import pytest
 
-from client.streaming import JobFailed, iter_events, iter_text
-from jobs.models import EventType, StreamEvent
-from jobs.publisher import EventPublisher
+from kiviq.client.streaming import JobFailed, iter_events, iter_text
+from kiviq.jobs.models import EventType, StreamEvent
+from kiviq.jobs.publisher import EventPublisher
 
 
 def ev(seq, type_="token", text="", **kw):

@@ -15,7 +15,7 @@ from benchmarks.concurrency import (
     run_fp16,
     run_kiviq,
 )
-from engine.kv_store import KVConfig
+from kiviq.engine.kv_store import KVConfig
 
 SHAPE = (2, 2, 32, 4, 1024)  # layers, kv heads, head_dim, query heads, model context
 G, R, CONTEXT = 16, 32, 200

@@ -13,8 +13,8 @@ import subprocess
 import mlx.core as mx
 import pytest
 
-from kernels import kivi_cuda
-from kernels.cuda_source import compact, kernel_header, top_level_items, translation_unit
+from kiviq.kernels import kivi_cuda
+from kiviq.kernels.cuda_source import compact, kernel_header, top_level_items, translation_unit
 
 HEADER = kivi_cuda.HEADER
 SOURCES = {"split_mma": kivi_cuda.ATTEND_MMA_SOURCE, "split_v1": kivi_cuda.ATTEND_SOURCE,

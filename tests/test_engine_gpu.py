@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine_runs import run_engine
-from kernels import dispatch
+from kiviq.kernels import dispatch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,13 +28,13 @@ PROSE = "\n".join(line for line in PROSE.splitlines() if not line.startswith("#"
 
 @pytest.fixture(scope="module")
 def gpu_model():
-    from engine import load
+    from kiviq.engine import load
 
     return load(os.environ.get("KIVIQ_GPU_MODEL"))
 
 
 def generate(model, tok, requests, *, bits, join_every=0, table_width_multiple=1, **options):
-    from engine import build_engine
+    from kiviq.engine import build_engine
 
     engine = build_engine(model, tok, kv_bits=bits, kv_memory=2 << 30, max_sequences=16, **options)
     engine.kv_store.table_width_multiple = table_width_multiple
@@ -45,7 +45,7 @@ def generate(model, tok, requests, *, bits, join_every=0, table_width_multiple=1
 
 @pytest.mark.parametrize("bits", [4, 2])
 def test_greedy_128_tokens_kernel_equals_reference(gpu_model, monkeypatch, bits):
-    from engine import Request
+    from kiviq.engine import Request
 
     model, tok = gpu_model
     prompt = tok.encode(PROSE)[:600]  # 600 + 128 tokens: blocks flush during decode too
@@ -59,7 +59,7 @@ def test_greedy_128_tokens_kernel_equals_reference(gpu_model, monkeypatch, bits)
 
 
 def test_batch_equals_single_with_kernel(gpu_model):
-    from engine import Request
+    from kiviq.engine import Request
 
     model, tok = gpu_model
     ids = tok.encode(PROSE)
@@ -73,7 +73,7 @@ def test_compiled_pipelined_decode_equals_plain_with_kernel(gpu_model):
     """Decode steps through mx.compile (engine.compiled_decode), pipelined, with the
     kernels inside the compiled graph: the same tokens as plain steps, with
     requests joining and leaving and block tables widening (retraces)."""
-    from engine import Request
+    from kiviq.engine import Request
 
     model, tok = gpu_model
     ids = tok.encode(PROSE)
@@ -96,7 +96,7 @@ def test_decode_steps_write_the_tails_in_place_with_kernel(gpu_model, pipeline, 
     the whole array. 512 slots make each tail array ~30 MiB."""
     import mlx.core as mx
 
-    from engine import Request, build_engine
+    from kiviq.engine import Request, build_engine
 
     model, tok = gpu_model
     engine = build_engine(model, tok, kv_bits=4, kv_memory=2 << 30, max_sequences=512, pipeline=pipeline,
@@ -123,8 +123,8 @@ def test_flat_quantized_matmuls_give_the_same_tokens_with_kernel(gpu_model):
     its batched quantized matmul (M * B >= 8); flattened, the same rows go through one
     GEMM. Same greedy tokens either way (the default rests on this and the step_trace
     A/B in docs/benchmarks.md, session 11)."""
-    from engine import Request
-    from engine.flat_quantized import (flat_quantized_matmuls, flatten_quantized_matmuls,
+    from kiviq.engine import Request
+    from kiviq.engine.flat_quantized import (flat_quantized_matmuls, flatten_quantized_matmuls,
                                        restore_quantized_matmuls)
 
     model, tok = gpu_model

@@ -11,8 +11,8 @@ import pytest
 from mlx_lm.utils import _get_classes
 
 from benchmarks.engine import IdTokenizer
-from engine import Request, build_engine
-from engine.flat_quantized import (FLAT_QMM_ENV, FlatQuantizedEmbedding, FlatQuantizedLinear,
+from kiviq.engine import Request, build_engine
+from kiviq.engine.flat_quantized import (FLAT_QMM_ENV, FlatQuantizedEmbedding, FlatQuantizedLinear,
                                    flat_qmm_requested, flat_quantized_matmuls,
                                    flatten_quantized_matmuls, restore_quantized_matmuls)
 from tests.engine_runs import run_engine

@@ -10,9 +10,9 @@ import pytest
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from client import Client, InvalidRequest
-from jobs import GenerateRequest, Priority, queue_name, validate_request
-from jobs.keys import TASK_PATH
+from kiviq.client import Client, InvalidRequest
+from kiviq.jobs import GenerateRequest, Priority, queue_name, validate_request
+from kiviq.jobs.keys import TASK_PATH
 
 
 @pytest.fixture

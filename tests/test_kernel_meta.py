@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import kivi_cuda
-from kernels.layout import allocate_pool
+from kiviq.kernels import kivi_cuda
+from kiviq.kernels.layout import allocate_pool
 
 
 def _meta(b=3, width=5):

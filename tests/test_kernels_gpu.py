@@ -38,16 +38,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import kernels
-from kernels import dispatch, kivi_cuda
-from kernels.kivi_quant import (
+import kiviq.kernels
+from kiviq.kernels import dispatch, kivi_cuda
+from kiviq.kernels.kivi_quant import (
     blocks_to_tokens,
     dequantize_key_blocks,
     dequantize_value_blocks,
     unpack,
 )
-from kernels.kivi_reference import decode_attention, decode_attention_dense, flush_tails
-from kernels.layout import KiviPool, allocate_pool
+from kiviq.kernels.kivi_reference import decode_attention, decode_attention_dense, flush_tails
+from kiviq.kernels.layout import KiviPool, allocate_pool
 
 R = 128
 NEEDS_GPU = pytest.mark.skipif(
@@ -63,7 +63,7 @@ ERR_LOG = os.environ.get("KIVIQ_ERR_LOG")  # JSON lines of max errors, if set
 
 
 def _backend():
-    return kivi_cuda if kivi_cuda.ATTEND_KERNEL is not None else kernels.kivi_metal
+    return kivi_cuda if kivi_cuda.ATTEND_KERNEL is not None else kiviq.kernels.kivi_metal
 
 
 def to_np(a: mx.array) -> np.ndarray:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import (
+from kiviq.kernels import (
     allocate_pool,
     blocks_to_tokens,
     decode_attention,
@@ -22,7 +22,7 @@ from kernels import (
     tokens_to_blocks,
     unpack,
 )
-from kernels.kivi_quant import quantize_groups
+from kiviq.kernels.kivi_quant import quantize_groups
 
 FAST = settings(max_examples=150, deadline=None)
 # MLX runs float32 matmuls as TF32 on CUDA unless MLX_ENABLE_TF32=0 (~1e-3 relative):
@@ -384,7 +384,7 @@ def test_flush_tails_quantizes_oldest_block_and_shifts():
 def test_flush_of_all_layers_at_once_equals_a_flush_per_layer(dtype):
     """The engine flushes every layer's pool with one stacked quantization
     (dispatch.flush_layers); each pool must end exactly as its own flush leaves it."""
-    from kernels.dispatch import flush_layers
+    from kiviq.kernels.dispatch import flush_layers
 
     rng = np.random.default_rng(5)
     g, bits, h_kv, d = 32, 4, 2, 64
@@ -410,7 +410,7 @@ def test_flush_of_k_blocks_at_once_equals_k_flushes_in_a_row(k):
     """flush_layers(blocks_per_slot=k) (KVConfig.flush_blocks) leaves each pool
     exactly as k one-block flushes in a row do: block j gets tail rows
     j*G .. j*G + G - 1, and the tail ends shifted by k*G with zeros after."""
-    from kernels.dispatch import flush_layers
+    from kiviq.kernels.dispatch import flush_layers
 
     rng = np.random.default_rng(k)
     g, bits, h_kv, d, dtype = 16, 2, 2, 64, mx.bfloat16
@@ -467,8 +467,8 @@ def test_layout_checks():
 
 def test_unknown_flush_kernel_name_fails_with_the_variable(monkeypatch):
     """A typo in KIVIQ_FLUSH_KERNEL must not silently pick a flush kernel."""
-    from kernels import kivi_cuda
-    from kernels.dispatch import flush_layers
+    from kiviq.kernels import kivi_cuda
+    from kiviq.kernels.dispatch import flush_layers
 
     pool = allocate_pool(4, 2, 1, 64, bits=4, group_size=32, residual=R)
     monkeypatch.setenv(kivi_cuda.FLUSH_KERNEL_ENV, "fast")
@@ -481,7 +481,7 @@ def test_unknown_flush_kernel_name_fails_with_the_variable(monkeypatch):
 def test_only_the_cuda_plan_writes_the_tail_and_the_variable_is_checked(monkeypatch):
     """KiviStore.write_and_attend scatters the new token unless the plan takes it
     (the CUDA AttendPlan); a typo in KIVIQ_TAIL_WRITE fails with the variable's name."""
-    from kernels import dispatch, kivi_cuda
+    from kiviq.kernels import dispatch, kivi_cuda
 
     pool = allocate_pool(4, 2, 1, 64, bits=4, group_size=32, residual=R)
     meta = (mx.zeros((1, 1), dtype=mx.int32), mx.zeros((1,), dtype=mx.int32),

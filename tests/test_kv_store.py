@@ -9,10 +9,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.kivi_cache import KiviLayerCache
-from engine.kv_store import KiviStore, KVConfig, OutOfKVMemory
-from kernels import decode_attention_dense, dequantize_key_blocks, dequantize_value_blocks, tokens_to_blocks
-from kernels import quantize_key_blocks, quantize_value_blocks, blocks_to_tokens
+from kiviq.engine.kivi_cache import KiviLayerCache
+from kiviq.engine.kv_store import KiviStore, KVConfig, OutOfKVMemory
+from kiviq.kernels import decode_attention_dense, dequantize_key_blocks, dequantize_value_blocks, tokens_to_blocks
+from kiviq.kernels import quantize_key_blocks, quantize_value_blocks, blocks_to_tokens
 
 H_KV, D = 2, 64
 
@@ -240,7 +240,7 @@ def test_flush_waits_unless_the_attention_writes_the_tails_and_scatters_settle_f
     attention wrote the tails itself (the CUDA kernel: no scatter follows); the next
     scatter into the pools (a token write by scatter, a prefill) then waits for it
     first, once. On CPU the reference path scatters, so the flush always waits."""
-    import engine.kv_store as kv_store_module
+    import kiviq.engine.kv_store as kv_store_module
 
     g, r = 16, 32
     store = make_store(4, g, r, slots=3, layers=2)

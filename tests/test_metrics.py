@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import fakeredis
 import pytest
 
-from jobs.keys import worker_stats_key
-from worker.metrics import Histogram, StatsPublisher, WorkerMetrics, format_value, serve_metrics
+from kiviq.jobs.keys import worker_stats_key
+from kiviq.worker.metrics import Histogram, StatsPublisher, WorkerMetrics, format_value, serve_metrics
 
 
 class FakeClock:
@@ -295,8 +295,8 @@ def _free_port() -> int:
 
 
 def test_worker_metrics_end_to_end(redis_url, redis_conn, start_worker):
-    from client import Client
-    from client.top import collect
+    from kiviq.client import Client
+    from kiviq.client.top import collect
 
     port = _free_port()
     start_worker("--metrics-port", str(port))

@@ -9,8 +9,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from engine.kivi_cache import KiviSequenceCache, make_store
-from engine.kv_store import KVConfig
+from kiviq.engine.kivi_cache import KiviSequenceCache, make_store
+from kiviq.engine.kv_store import KVConfig
 
 BASE = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, rope_theta=10000.0,

@@ -20,7 +20,7 @@ import mlx_lm
 import numpy as np
 import pytest
 
-import engine.model_loading as ml
+import kiviq.engine.model_loading as ml
 
 # About 280 tokens of ordinary English prose (written for this test).
 PROSE = (

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from client import Client
+from kiviq.client import Client
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,9 +16,9 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from client import Client, QueueFull
-from client.local_redis import free_port
-from jobs.keys import queue_name, replay_log
+from kiviq.client import Client, QueueFull
+from kiviq.client.local_redis import free_port
+from kiviq.jobs.keys import queue_name, replay_log
 
 FAST_RECOVERY = {"KIVIQ_ALIVE_TTL_S": "3", "KIVIQ_RECOVERY_EVERY_S": "1"}
 PROMPTS = [f"Write a short note about the number {i}." for i in range(50)]
@@ -53,7 +53,7 @@ def test_cancel_running_job_and_keep_serving(worker_process, redis_url):
     stream = handle.stream(timeout=300)
     first = next(stream)  # it is running
     assert first
-    assert subprocess.run([os.sys.executable, "-m", "client.cli", "cancel", handle.job_id, "--redis-url", redis_url],
+    assert subprocess.run([os.sys.executable, "-m", "kiviq.client.cli", "cancel", handle.job_id, "--redis-url", redis_url],
                           capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__))).returncode == 0
     result = handle.result(timeout=60)
     assert result.finish_reason.value == "cancelled"
@@ -111,7 +111,7 @@ def test_sigkill_mid_batch_then_new_worker_completes_every_job_once(start_worker
 # anything else records the job (the gap rq's own LPOP dequeue leaves open).
 DIE_AFTER_CLAIM = """
 import os, sys
-from worker import claims
+from kiviq.worker import claims
 take = claims.claim_next
 def claim_then_die(*args, **kwargs):
     found = take(*args, **kwargs)
@@ -119,7 +119,7 @@ def claim_then_die(*args, **kwargs):
         os._exit(9)
     return found
 claims.claim_next = claim_then_die
-from client.cli import main
+from kiviq.worker.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -129,7 +129,7 @@ def test_worker_killed_right_after_taking_a_job_loses_nothing(start_worker, redi
         monkeypatch.setenv(k, v)
     handle = Client(redis_url).submit(prompt="The capital of Italy is", max_tokens=4)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    dying = subprocess.run([os.sys.executable, "-c", DIE_AFTER_CLAIM, "worker", "--redis-url", redis_url],
+    dying = subprocess.run([os.sys.executable, "-c", DIE_AFTER_CLAIM, "--redis-url", redis_url],
                            cwd=root, env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True,
                            timeout=300)
     assert dying.returncode == 9, dying.stdout[-2000:] + dying.stderr[-2000:]
@@ -168,9 +168,8 @@ def test_redis_restart_mid_run_loses_no_job(start_worker, monkeypatch):
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     try:
         wait_for(lambda: _pings(url), 10, "test redis")
-        monkeypatch.setattr("tests.conftest.TEST_REDIS_URL", url, raising=False)
         conn = Redis.from_url(url)
-        worker = subprocess.Popen([os.sys.executable, "-m", "client.cli", "worker", "--redis-url", url],
+        worker = subprocess.Popen([os.sys.executable, "-m", "kiviq.worker", "--redis-url", url],
                                   cwd=os.path.dirname(os.path.dirname(__file__)),
                                   env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))),
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -212,11 +211,11 @@ def _workers(conn: Redis) -> int:
 def test_job_whose_final_event_exists_is_recorded_not_rerun(worker_process, redis_url, redis_conn):
     """A worker killed between publishing a job's final event and recording
     it in rq: the requeued job is recorded from that event, not generated twice."""
-    from jobs.models import EventType, GenerationResult, StreamEvent, Usage
-    from jobs.publisher import EventPublisher
+    from kiviq.jobs.models import EventType, GenerationResult, StreamEvent, Usage
+    from kiviq.jobs.publisher import EventPublisher
 
     queue = Queue(queue_name("low"), connection=redis_conn, serializer=JSONSerializer)
-    job = queue.enqueue_call("jobs.tasks.generate", args=({"prompt": "x", "max_tokens": 3},), timeout=-1)
+    job = queue.enqueue_call("kiviq.jobs.tasks.generate", args=({"prompt": "x", "max_tokens": 3},), timeout=-1)
     redis_conn.lrem(queue.key, 0, job.id)  # hold it back while its "earlier run" is written
     result = GenerationResult(job_id=job.id, text="earlier run", token_ids=[1, 2], finish_reason="length",
                               usage=Usage(prompt_tokens=1, completion_tokens=2))
@@ -255,12 +254,12 @@ def test_cancel_and_timeout_free_kv_memory(start_worker, redis_url):
 
 
 def test_oversized_payload_fails_at_submit_or_alone_on_the_worker(worker_process, redis_url, redis_conn):
-    from client import InvalidRequest
+    from kiviq.client import InvalidRequest
 
     with pytest.raises(InvalidRequest, match="prompt"):
         Client(redis_url).submit(prompt="x" * 1_000_001)
     queue = Queue(queue_name("default"), connection=redis_conn, serializer=JSONSerializer)
-    bad = queue.enqueue_call("jobs.tasks.generate", args=({"prompt": "x" * 1_000_001},), timeout=-1)
+    bad = queue.enqueue_call("kiviq.jobs.tasks.generate", args=({"prompt": "x" * 1_000_001},), timeout=-1)
     good = Client(redis_url).submit(prompt="Hello", max_tokens=2)
     assert good.result(timeout=120).finish_reason.value in ("stop", "length")
     with pytest.raises(Exception, match="prompt"):
@@ -275,7 +274,7 @@ def test_password_protected_redis_and_no_credentials_in_logs(start_worker, monke
     try:
         url = f"redis://:{secret}@127.0.0.1:{port}/0"
         wait_for(lambda: _pings(url), 10, "password redis")
-        worker = subprocess.Popen([os.sys.executable, "-m", "client.cli", "worker", "--redis-url", url],
+        worker = subprocess.Popen([os.sys.executable, "-m", "kiviq.worker", "--redis-url", url],
                                   cwd=os.path.dirname(os.path.dirname(__file__)),
                                   env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))),
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

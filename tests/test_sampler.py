@@ -5,8 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from engine.request import SamplingParams
-from engine.sampler import RowState, sample
+from kiviq.engine.request import SamplingParams
+from kiviq.engine.sampler import RowState, sample
 
 V = 1000
 

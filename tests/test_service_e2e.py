@@ -12,8 +12,8 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from client import Client, InvalidRequest, JobFailed
-from jobs.keys import TASK_PATH, queue_name, replay_log
+from kiviq.client import Client, InvalidRequest, JobFailed
+from kiviq.jobs.keys import TASK_PATH, queue_name, replay_log
 
 PROMPTS = [
     "The three primary colors are",
@@ -56,10 +56,10 @@ def test_results_match_mlx_lm_and_stream(start_worker, redis_url, smollm2):
 def test_compiled_pipelined_worker_matches_the_plain_engine(start_worker, redis_url, smollm2):
     """`kiviq worker --compile-decode --pipeline-decode` returns exactly the tokens of
     the default KIVI engine run in this process, step by step and uncompiled."""
-    from engine import build_engine
+    from kiviq.engine import build_engine
     from engine_runs import run_engine
-    from jobs.models import GenerateRequest
-    from worker.prompts import build_request
+    from kiviq.jobs.models import GenerateRequest
+    from kiviq.worker.prompts import build_request
 
     proc = start_worker("--compile-decode", "--pipeline-decode")
     model, tokenizer = smollm2

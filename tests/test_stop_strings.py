@@ -1,4 +1,4 @@
-from engine.stop import StopMatcher
+from kiviq.engine.stop import StopMatcher
 
 
 def feed(stops, deltas):

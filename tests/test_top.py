@@ -9,10 +9,10 @@ import json
 import fakeredis
 import pytest
 
-import client.top as top
-from client import Client
-from client.cli import main
-from worker.metrics import StatsPublisher, WorkerMetrics
+import kiviq.client.top as top
+from kiviq.client import Client
+from kiviq.client.cli import main
+from kiviq.worker.metrics import StatsPublisher, WorkerMetrics
 
 
 def fake_worker(conn, name: str, finished: int, failed: int = 0) -> WorkerMetrics:

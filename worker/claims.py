@@ -18,7 +18,7 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.commands.core import Script
 
-from jobs.keys import claim_key, claim_pattern
+from kiviq.jobs.keys import claim_key, claim_pattern
 
 # KEYS: the queue keys in priority order, then the claim list. A script runs
 # atomically, so the id is always in exactly one of the two lists.

@@ -6,9 +6,9 @@ import logging
 
 from redis import Redis
 
-from client.client import redis_url_from_env
-from worker.metrics import StatsPublisher, WorkerMetrics, serve_metrics
-from worker.service import BatchWorker
+from kiviq.jobs.settings import redis_url_from_env
+from kiviq.worker.metrics import StatsPublisher, WorkerMetrics, serve_metrics
+from kiviq.worker.service import BatchWorker
 
 log = logging.getLogger("kiviq.worker")
 
@@ -30,7 +30,7 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, burst:
         The number of jobs that ended.
     """
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from engine import build_engine, load  # heavy: mlx, mlx-lm
+    from kiviq.engine import build_engine, load  # heavy: mlx, mlx-lm
 
     connection = Redis.from_url(redis_url_from_env(redis_url))
     connection.ping()  # fail fast with a clear error before the slow model load

@@ -572,7 +572,7 @@ class StatsPublisher:
 
     def __init__(self, redis: Any, worker_name: str, metrics: WorkerMetrics, every_s: float = 1.0, *,
                  ttl_s: float | None = None, min_interval_s: float = 0.05):
-        from jobs.keys import worker_stats_key
+        from kiviq.jobs.keys import worker_stats_key
 
         self.redis, self.worker_name, self.metrics = redis, worker_name, metrics
         self.every_s, self.min_interval_s = every_s, min(min_interval_s, every_s)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from engine.request import Request, SamplingParams
-from jobs.models import GenerateRequest
+from kiviq.engine.request import Request, SamplingParams
+from kiviq.jobs.models import GenerateRequest
 
 
 class PromptTooLong(ValueError):

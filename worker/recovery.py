@@ -21,10 +21,10 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from jobs.keys import alive_key, recovery_lock_key, replay_log
-from jobs.models import EventType, FinishReason, StreamEvent
-from jobs.publisher import EventPublisher
-from worker.claims import claimants, claimed, release
+from kiviq.jobs.keys import alive_key, recovery_lock_key, replay_log
+from kiviq.jobs.models import EventType, FinishReason, StreamEvent
+from kiviq.jobs.publisher import EventPublisher
+from kiviq.worker.claims import claimants, claimed, release
 
 log = logging.getLogger("kiviq.worker")
 

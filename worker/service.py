@@ -32,14 +32,14 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
-from engine.setup import context_length
-from jobs.keys import TASK_PATH, cancel_flag, max_queued_key, queue_names, replay_log
-from jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, Timing, TokenLogprob, TopLogprob, Usage
-from jobs.publisher import EventPublisher
-from jobs.validation import validate_request
-from worker import claims
-from worker.prompts import build_request
-from worker.recovery import ALIVE_TTL_S, RECOVERY_LOCK_MS, mark_alive, mark_dead, requeue_orphans
+from kiviq.engine.setup import context_length
+from kiviq.jobs.keys import TASK_PATH, cancel_flag, max_queued_key, queue_names, replay_log
+from kiviq.jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, Timing, TokenLogprob, TopLogprob, Usage
+from kiviq.jobs.publisher import EventPublisher
+from kiviq.jobs.validation import validate_request
+from kiviq.worker import claims
+from kiviq.worker.prompts import build_request
+from kiviq.worker.recovery import ALIVE_TTL_S, RECOVERY_LOCK_MS, mark_alive, mark_dead, requeue_orphans
 
 log = logging.getLogger("kiviq.worker")
 

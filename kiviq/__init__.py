@@ -1,0 +1,36 @@
+"""kiviq: batch LLM generation over Redis, on MLX, with KIVI-quantized KV caches.
+
+The public entry is the client: ``from kiviq import Client, AsyncClient``.
+The packages are ``kiviq.client``, ``kiviq.jobs``, ``kiviq.worker``,
+``kiviq.engine`` and ``kiviq.kernels``; in the repository they are the five
+top-level folders, which pyproject.toml maps to these dotted names.
+"""
+
+from __future__ import annotations
+
+import os as _os
+
+__version__ = "0.2.0"
+
+# Running from a checkout without installing (PYTHONPATH=<repo>, as the GPU
+# machine does): the five packages sit beside this folder, not inside it.
+# An installed kiviq has them inside, and this adds nothing.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(__path__[0], "client")) and _os.path.isfile(
+        _os.path.join(_root, "client", "__init__.py")):
+    __path__.append(_root)
+
+_CLIENT_NAMES = ("AsyncClient", "AsyncJobHandle", "BulkSummary", "Client", "InvalidRequest", "JobFailed",
+                 "JobHandle", "QueueFull")
+
+
+def __getattr__(name: str):
+    # Lazy, so that importing kiviq.engine on a GPU host does not import redis.
+    if name in _CLIENT_NAMES:
+        from kiviq import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'kiviq' has no attribute {name!r}")
+
+
+__all__ = list(_CLIENT_NAMES)
