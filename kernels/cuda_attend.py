@@ -158,38 +158,12 @@ class AttendPlan:
         return MERGE_KERNEL(inputs=[part_acc, part_ml, self.params], **self.merge_kw)[0]
 
 
-def kivi_decode_attend(
-    q: mx.array,
-    pool: KiviPool,
-    block_tables: mx.array,
-    num_blocks: mx.array,
-    slots: mx.array,
-    tail_lens: mx.array,
-    *,
-    scale: float,
-    bits: int,
-    group_size: int = 32,
-) -> mx.array:
-    """One decode step of attention over the KIVI pool: 2 CUDA launches.
-
-    Same contract as `kernels.kivi_reference.decode_attention`. A caller that attends
-    several layers with the same metadata builds one `AttendPlan` and calls it per
-    layer instead.
-
-    Args:
-        q: [B, H_q, D] fp16/bf16/fp32, RoPE applied.
-        pool: the layer's KiviPool (fp16 or bf16 scales and tails), passed whole.
-        block_tables: int32 [B, max_blocks]; entries past num_blocks[b] are never read.
-        num_blocks: int32 [B].
-        slots: int32 [B].
-        tail_lens: int32 [B], including the current token.
-        scale: softmax scale.
-        bits: b in {2, 4, 8}.
-        group_size: G.
-
-    Returns:
-        [B, H_q, D] in q's dtype.
-    """
+def kivi_decode_attend(q: mx.array, pool: KiviPool, block_tables, num_blocks, slots, tail_lens, *,
+                       scale: float, bits: int, group_size: int = 32) -> mx.array:
+    """One decode step of attention over the KIVI pool: 2 CUDA launches, with the
+    contract and arguments of `kernels.kivi_reference.decode_attention` (q [B, H_q, D];
+    the pool's scales and tails fp16 or bf16). A caller that attends several layers
+    with the same metadata builds one `AttendPlan` and calls it per layer instead."""
     if ATTEND_KERNEL is None:
         raise RuntimeError("MLX's CUDA backend is not available")
     if q.shape[0] == 0:

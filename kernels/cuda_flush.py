@@ -115,34 +115,37 @@ def flush_layers(pools: list[KiviPool], slots: mx.array, ids: mx.array, *, bits:
         mx.async_eval(done)
 
 
-def kivi_flush(
-    pool: KiviPool,
-    slots: mx.array,
-    new_block_ids: mx.array,
-    tail_lens: mx.array,
-    *,
-    bits: int,
-    group_size: int = 32,
-) -> KiviPool:
-    """Quantize the oldest G tail tokens of some slots into new blocks; shift tails.
+def kernel_quantize(kernel):
+    """The `quantize` of `kivi_reference.gather_flush_layers` done by a flush quantize
+    kernel (this one's `FLUSH_KERNEL` or its Metal twin): (pool, rows_k, rows_v, *,
+    bits, group_size) -> the new blocks."""
+    def quantize(pool: KiviPool, rows_k, rows_v, *, bits: int, group_size: int):
+        launch, template, params = flush_launch(pool, rows_k, bits=bits, group_size=group_size)
+        return kernel(inputs=[rows_k, rows_v, params], template=template, **launch)
+    return quantize
 
-    Same contract as `kernels.kivi_reference.flush_tails` (one quantize launch for
-    every flushing slot, K and V; codes/scales/zeros bit-identical to the reference).
 
-    Returns:
-        The same pool object, its arrays updated in place.
-    """
-    if FLUSH_KERNEL is None:
-        raise RuntimeError("MLX's CUDA backend is not available")
-    prepared = flush_prepare(pool, slots, new_block_ids, tail_lens, bits=bits,
-                             group_size=group_size)
+def gather_flush(kernel, pool: KiviPool, slots, new_block_ids, tail_lens, *, bits: int,
+                 group_size: int) -> KiviPool:
+    """`flush_tails` of one pool with the flush quantize kernel `kernel`: the flushing
+    tails gathered, quantized in one launch, the new blocks and shifted tails scattered
+    in place."""
+    if kernel is None:
+        raise RuntimeError("no flush kernel on this backend")
+    prepared = flush_prepare(pool, slots, new_block_ids, tail_lens, bits=bits, group_size=group_size)
     if prepared is None:
         return pool
     slots, ids = prepared
     rows_k, rows_v = pool.tail_k[slots], pool.tail_v[slots]
-    launch, template, params = flush_launch(pool, rows_k, bits=bits, group_size=group_size)
-    quantized = FLUSH_KERNEL(inputs=[rows_k, rows_v, params], template=template, **launch)
+    quantized = kernel_quantize(kernel)(pool, rows_k, rows_v, bits=bits, group_size=group_size)
     return flush_apply(pool, slots, ids, rows_k, rows_v, quantized, group_size)
 
 
-__all__ = ["flush_layers", "fused_flush", "kivi_flush"]
+def kivi_flush(pool: KiviPool, slots, new_block_ids, tail_lens, *, bits: int, group_size: int = 32) -> KiviPool:
+    """`kernels.kivi_reference.flush_tails` (same contract, codes/scales/zeros
+    bit-identical) with one quantize launch for every flushing slot, K and V.
+    Returns the same pool object, its arrays updated in place."""
+    return gather_flush(FLUSH_KERNEL, pool, slots, new_block_ids, tail_lens, bits=bits, group_size=group_size)
+
+
+__all__ = ["flush_layers", "fused_flush", "gather_flush", "kernel_quantize", "kivi_flush"]

@@ -61,20 +61,9 @@ def backend(use_kernel: bool | None = None) -> str:
     return "reference" if mod is None else mod.NAME
 
 
-def attend_plan(
-    q_shape: tuple[int, ...],
-    q_dtype: mx.Dtype,
-    pool: KiviPool,
-    block_tables: mx.array,
-    num_blocks: mx.array,
-    slots: mx.array,
-    tail_lens: mx.array,
-    *,
-    scale: float,
-    bits: int,
-    group_size: int = 32,
-    use_kernel: bool | None = None,
-) -> Callable[..., mx.array]:
+def attend_plan(q_shape: tuple[int, ...], q_dtype: mx.Dtype, pool: KiviPool, block_tables: mx.array,
+                num_blocks: mx.array, slots: mx.array, tail_lens: mx.array, *, scale: float, bits: int,
+                group_size: int = 32, use_kernel: bool | None = None) -> Callable[..., mx.array]:
     """`decode_attend` prepared once for many calls with the same metadata: the
     layers of one decode step. Returns `attend(q, pool)`; every pool it is called
     with must have `pool`'s shapes and dtypes (a model's layers do). Where
@@ -110,19 +99,9 @@ def attend_plan(
     return attend
 
 
-def decode_attend(
-    q: mx.array,
-    pool: KiviPool,
-    block_tables: mx.array,
-    num_blocks: mx.array,
-    slots: mx.array,
-    tail_lens: mx.array,
-    *,
-    scale: float,
-    bits: int,
-    group_size: int = 32,
-    use_kernel: bool | None = None,
-) -> mx.array:
+def decode_attend(q: mx.array, pool: KiviPool, block_tables: mx.array, num_blocks: mx.array, slots: mx.array,
+                  tail_lens: mx.array, *, scale: float, bits: int, group_size: int = 32,
+                  use_kernel: bool | None = None) -> mx.array:
     """Decode attention over the KIVI pool (contract: `kivi_reference.decode_attention`).
 
     Args:
@@ -157,16 +136,8 @@ def _flush_module(pool: KiviPool, use_kernel: bool | None):
     return None
 
 
-def flush(
-    pool: KiviPool,
-    slots: mx.array,
-    new_block_ids: mx.array,
-    tail_lens: mx.array,
-    *,
-    bits: int,
-    group_size: int = 32,
-    use_kernel: bool | None = None,
-) -> KiviPool:
+def flush(pool: KiviPool, slots: mx.array, new_block_ids: mx.array, tail_lens: mx.array, *, bits: int,
+          group_size: int = 32, use_kernel: bool | None = None) -> KiviPool:
     """Quantize the oldest G tail tokens of some slots into blocks and shift the tails.
 
     Contract: `kernels.kivi_reference.flush_tails` (bit-identical pool contents).

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kiviq.kernels.cuda_flush import flush_apply, flush_launch, flush_prepare
+from kiviq.kernels.cuda_flush import gather_flush, kernel_quantize
 from kiviq.kernels.cuda_source import read
 from kiviq.kernels.kivi_reference import gather_flush_layers
 from kiviq.kernels.launch import (
@@ -108,17 +108,7 @@ def kivi_decode_attend(q, pool: KiviPool, block_tables, num_blocks, slots, tail_
 def kivi_flush(pool: KiviPool, slots, new_block_ids, tail_lens, *, bits: int,
                group_size: int = 32) -> KiviPool:
     """Metal twin of `kernels.cuda_flush.kivi_flush` (same contract)."""
-    if FLUSH_KERNEL is None:
-        raise RuntimeError("MLX's Metal backend is not available")
-    prepared = flush_prepare(pool, slots, new_block_ids, tail_lens, bits=bits,
-                             group_size=group_size)
-    if prepared is None:
-        return pool
-    slots, ids = prepared
-    rows_k, rows_v = pool.tail_k[slots], pool.tail_v[slots]
-    launch, template, params = flush_launch(pool, rows_k, bits=bits, group_size=group_size)
-    quantized = FLUSH_KERNEL(inputs=[rows_k, rows_v, params], template=template, **launch)
-    return flush_apply(pool, slots, ids, rows_k, rows_v, quantized, group_size)
+    return gather_flush(FLUSH_KERNEL, pool, slots, new_block_ids, tail_lens, bits=bits, group_size=group_size)
 
 
 def attend_plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, *, scale: float,
@@ -133,17 +123,12 @@ def attend_plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_le
     return attend
 
 
-def _quantize(pool: KiviPool, rows_k, rows_v, *, bits: int, group_size: int):
-    launch, template, params = flush_launch(pool, rows_k, bits=bits, group_size=group_size)
-    return FLUSH_KERNEL(inputs=[rows_k, rows_v, params], template=template, **launch)
-
-
 def flush_layers(pools: list[KiviPool], slots, ids, *, bits: int, group_size: int, blocks_per_slot: int = 1,
                  wait: bool = True) -> None:
     """The gather flush of every pool with the quantize kernel (checked arguments:
     `dispatch.flush_layers`); always waits."""
     gather_flush_layers(pools, slots, ids, bits=bits, group_size=group_size, blocks_per_slot=blocks_per_slot,
-                        quantize=_quantize)
+                        quantize=kernel_quantize(FLUSH_KERNEL))
 
 
 __all__ = ["HEAD_DIMS", "NAME", "POOL_DTYPES", "attend_plan", "available", "flush_layers", "flush_supports",
