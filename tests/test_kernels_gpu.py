@@ -273,6 +273,38 @@ def test_split_plan_fills_the_gpu_from_the_shape():
     assert kivi_cuda.split_plan(1, 8, 1020, 32, sms=132)[0] * 8 >= 1000
 
 
+def test_sm_count_comes_from_the_cuda_runtime(monkeypatch):
+    """split_plan fills the device's SMs: cudaDeviceGetAttribute(multiprocessor count)
+    through ctypes, read once; FALLBACK_SMS where no CUDA library loads."""
+    from kiviq.kernels import cuda_device
+
+    calls = []
+
+    class Runtime:
+        def cudaDeviceGetAttribute(self, out, attr, device):
+            calls.append((attr, device))
+            out._obj.value = 78
+            return 0
+
+    def no_library(name):
+        raise OSError(name)
+
+    monkeypatch.setattr(cuda_device.ctypes, "CDLL", lambda name: Runtime() if name == "libcudart.so.13"
+                        else no_library(name))
+    cuda_device.num_sms.cache_clear()
+    try:
+        assert cuda_device.num_sms() == 78 and cuda_device.num_sms() == 78
+        assert calls == [(16, 0)]  # cudaDevAttrMultiProcessorCount, device 0, asked once
+        plan = kivi_cuda.split_plan(1, 8, 1020, 32, step_tokens=32)
+        assert plan == kivi_cuda.split_plan(1, 8, 1020, 32, sms=78, step_tokens=32)
+        assert plan != kivi_cuda.split_plan(1, 8, 1020, 32, sms=132, step_tokens=32)
+        monkeypatch.setattr(cuda_device.ctypes, "CDLL", no_library)
+        cuda_device.num_sms.cache_clear()
+        assert cuda_device.num_sms() == cuda_device.FALLBACK_SMS
+    finally:
+        cuda_device.num_sms.cache_clear()
+
+
 def test_mma_kernel_covers_the_common_layouts():
     pool = allocate_pool(2, 2, 8, 128, bits=4)
     assert cuda_attend.mma_supports((4, 32, 128), pool, 4, 32) is None
