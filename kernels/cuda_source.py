@@ -8,10 +8,9 @@ string at every call (while the graph is built) and hashes that whole string at
 every evaluation (the key of its compiled-module cache). A decode step calls two
 attention kernels per layer, so at B = 1 with 36 layers a 27 KB kernel text
 was ~1.7 MB of copying and hashing per step, on the host, which is what a B = 1
-step waits on. Stripping comments and
-indentation and keeping only the header items a kernel reaches (transitively)
-leaves the compiled code unchanged: the same tokens reach NVRTC, in the same
-order, minus declarations nothing references.
+step waits on. Stripping comments and indentation and keeping only the header
+items a kernel reaches (transitively) leaves the compiled code unchanged: the same
+tokens reach NVRTC, in the same order, minus declarations nothing references.
 
 The header grammar this relies on (kernels/cuda/kivi.cuh follows it): every
 top-level item is a preprocessor line (with backslash continuations) or a
