@@ -8,7 +8,7 @@ Per shape:
   1. outputs are checked first: the kernel against the float32 reference on two
      sequences (tolerance as in tests/test_kernels_gpu.py) and against
      dequantize-then-SDPA on the whole batch;
-  2. timing: variants interleaved A/B/C/B/C/A/C/A/B... (the first arm rotates), each timed block runs n calls over
+  2. timing: the arms interleaved A/B/C/B/C/A/C/A/B... (the first arm rotates), each timed block runs n calls over
      a rotating set of >= 3 distinct inputs (more for small shapes, so the set is
      larger than the 50 MB L2), `mx.synchronize()` at both edges, `mx.async_eval`
      per call (no blocking eval inside); min / median / max of the per-call time. A
@@ -25,17 +25,13 @@ Run (GPU): MLX_ENABLE_TF32=0 python benchmarks/kernel_attend.py --out DIR
   split per-call time into host graph building and GPU evaluation, `--device-time` to
   also record the kernel's and fp16 SDPA's device time per call (CUPTI via
   torch.profiler: what the GPU spent, whatever the host spent launching; a table of
-  device time by kernel follows), `--sms N ...` for arms planned for N SMs (fewer,
-  longer splits), `--host-meta` for an arm reading its small inputs where the host
-  made them (KIVIQ_KIVI_META=host). Results and the measured targets:
-  docs/benchmarks.md.
+  device time by kernel follows).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import functools
 import math
 import os
@@ -47,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kiviq.kernels import dispatch, kivi_cuda  # noqa: E402
+from kiviq.kernels import cuda_attend, dispatch  # noqa: E402
 from kiviq.kernels.kivi_quant import dequantize_key_blocks, dequantize_value_blocks  # noqa: E402
 from kiviq.kernels.kivi_reference import decode_attention  # noqa: E402
 from kiviq.kernels.layout import KiviPool  # noqa: E402
@@ -103,48 +99,19 @@ def make_input(b, s, bits, seed):
     return args, dense, nblk, tail
 
 
-VARIANT_ENV = {  # variant -> environment of the call
-    "auto": {kivi_cuda.KERNEL_ENV: "auto"},
-    "v1": {kivi_cuda.KERNEL_ENV: "v1"},  # the CUDA-core split kernel
-    "unbounded": {kivi_cuda.KERNEL_ENV: "auto", kivi_cuda.MIN_BLOCKS_ENV: "0"},  # MMA, no launch bounds
-    "bounded4": {kivi_cuda.KERNEL_ENV: "auto", kivi_cuda.MIN_BLOCKS_ENV: "4"},  # MMA, 4 blocks per SM
-    # small inputs (lengths, tables, params, scale) read where the host made them
-    "hostmeta": {kivi_cuda.KERNEL_ENV: "auto", kivi_cuda.META_ENV: "host"},
-    # MMA kernel dequantizing K and V in registers (no FOLD; the shipped path before session 12)
-    "nofold": {kivi_cuda.KERNEL_ENV: "auto", kivi_cuda.FOLD_ENV: "0"},
-}
+_PLANS: dict = {}  # (id of an input, bits) -> its launch plan; cleared per shape
 
 
-_PLANS: dict = {}  # (id of an input, bits, variant) -> its launch plan; cleared per shape
-
-
-@contextlib.contextmanager
-def variant_env(variant):
-    """The environment of one of VARIANT_ENV's variants, for the block only."""
-    env = VARIANT_ENV[variant]
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
-
-
-def kernel_fn(args, bits, variant="auto"):
-    """The dispatched kernel in one of VARIANT_ENV's variants, as a decode step's layer
-    runs it: the launch plan (`dispatch.attend_plan`) is made once per input, as the
-    engine makes it once per step for all layers, and every call only launches."""
-    key = (id(args), bits, variant)
+def kernel_fn(args, bits):
+    """The dispatched kernel as a decode step's layer runs it: the launch plan
+    (`dispatch.attend_plan`) is made once per input, as the engine makes it once per
+    step for all layers, and every call only launches."""
+    key = (id(args), bits)
     plan = _PLANS.get(key)
     if plan is None:
         q, pool, *meta = args
-        with variant_env(variant):
-            plan = _PLANS[key] = dispatch.attend_plan(q.shape, q.dtype, pool, *meta, scale=SCALE, bits=bits,
-                                                      use_kernel=True)
+        plan = _PLANS[key] = dispatch.attend_plan(q.shape, q.dtype, pool, *meta, scale=SCALE, bits=bits,
+                                                  use_kernel=True)
     return plan(args[0], args[1])
 
 
@@ -214,9 +181,8 @@ def interleaved_blocks(variants, inputs, repeats, calls):
     names = list(variants)
     k = 0
     for r in range(repeats):
-        # Rotate which arm goes first: with a fixed order the first arm ("kernel") came
-        # out slower than a second build of the same kernel placed later in the round,
-        # in two runs, whichever build was first: a position effect, not a kernel one.
+        # Rotate which arm goes first: the first arm of a round measures slower (a
+        # position effect, not a kernel one).
         for name in names[r % len(names):] + names[:r % len(names)]:
             def run(fn=variants[name], start=k, n=calls[name]):
                 for i in range(start, start + n):
@@ -256,7 +222,7 @@ def copy_bandwidth(repeats):
     return 2 * n * 2 / float(np.median(t)), t
 
 
-def check(args, dense_out, bits, variant="auto"):
+def check(args, dense_out, bits):
     """Max errors of the kernel vs the float32 reference (2 sequences) and vs deq+SDPA.
 
     Tolerance vs the reference as in tests/test_kernels_gpu.py; the MMA kernel rounds K,
@@ -264,11 +230,11 @@ def check(args, dense_out, bits, variant="auto"):
     for these inputs; the tests check it tightly against an oracle that rounds alike);
     its FOLD path rounds q * scale, p and p * scale instead: 6 u max|v|.
     """
-    out = kernel_fn(args, bits, variant)
+    out = kernel_fn(args, bits)
     q, pool, table, nb, slots, tl = args
-    with variant_env(variant):  # which split kernel and path the variant's plan took
-        mma = dispatch.backend() == "cuda" and kivi_cuda.mma_supports(q.shape, pool, bits, G) is None
-        fold = mma and kivi_cuda.fold_applies(pool)
+    # which split kernel and path the plan took
+    mma = dispatch.backend() == "cuda" and cuda_attend.mma_supports(q.shape, pool, bits, G) is None
+    fold = mma and cuda_attend.fold_applies(pool)
     sub = (q[:2].astype(mx.float32), pool, table[:2], nb[:2], slots[:2], tl[:2])
     ref = decode_attention(*sub, scale=SCALE, bits=bits)
     o = np.array(out.astype(mx.float32))
@@ -321,33 +287,13 @@ def main():
     ap.add_argument("--no-deq", action="store_true", help="skip dequantize-then-SDPA")
     ap.add_argument("--shapes", nargs="*", default=None,
                     help="B:S pairs to run instead of the grid, e.g. 32:8192 1:32768")
-    ap.add_argument("--v1", action="store_true",
-                    help="also time the CUDA-core split kernel (KIVIQ_KIVI_KERNEL=v1)")
-    ap.add_argument("--unbounded", action="store_true",
-                    help="also time the MMA kernel compiled without launch bounds (KIVIQ_KIVI_MIN_BLOCKS=0)")
-    ap.add_argument("--bounded", action="store_true",
-                    help="also time the MMA kernel compiled for 4 blocks per SM (KIVIQ_KIVI_MIN_BLOCKS=4)")
     ap.add_argument("--device-time", action="store_true", dest="device_time",
                     help="also record kernel and fp16 SDPA device time per call (CUPTI, needs PyTorch)")
-    ap.add_argument("--sms", type=int, nargs="*", default=[],
-                    help="also time the kernel planned for this many SMs (KIVIQ_NUM_SMS; fewer: "
-                         "fewer, longer splits), one arm named smsN each")
-    ap.add_argument("--no-fold", action="store_true", dest="no_fold",
-                    help="also time the MMA kernel without its FOLD path (KIVIQ_KIVI_FOLD=0), as arm nofold")
-    ap.add_argument("--host-meta", action="store_true", dest="host_meta",
-                    help="also time the kernel reading its small inputs from host-made managed memory "
-                         "(KIVIQ_KIVI_META=host), as arm hostmeta")
     ap.add_argument("--probe", action="store_true",
                     help="also time host-side graph building vs GPU (launch overhead)")
     a = ap.parse_args()
     if not dispatch.kernel_available():
         sys.exit("no KIVI kernel backend here (needs MLX CUDA or Metal)")
-    # Further builds of the kernel (VARIANT_ENV), each an arm of its own.
-    extra_arms = ([v for v, on in (("v1", a.v1), ("unbounded", a.unbounded), ("bounded4", a.bounded)) if on]
-                  + [f"sms{n}" for n in a.sms] + (["hostmeta"] if a.host_meta else [])
-                  + (["nofold"] if a.no_fold else []))
-    for n in a.sms:
-        VARIANT_ENV[f"sms{n}"] = {kivi_cuda.KERNEL_ENV: "auto", "KIVIQ_NUM_SMS": str(n)}
     print(f"mlx {mx.__version__}, device {mx.device_info().get('device_name', '?')}, "
           f"backend {dispatch.backend()}, TF32 env {os.environ.get('MLX_ENABLE_TF32')}",
           flush=True)
@@ -362,10 +308,9 @@ def main():
         probe(4)
     header = ("| B | S | bits | kernel ms min/med/max | eff. GB/s | % copy | fp16 SDPA ms med "
               "| x SDPA | deq+SDPA ms med | x deq | check (err ref / err deq) | SDPA spread |"
-              + "".join(f" {v} ms med | x {v} |" for v in extra_arms)
               + (" kernel device ms min/med/max | % copy (device) | SDPA device ms med | x SDPA (device) |"
                  if a.device_time else ""))
-    rows = [header, "|" + "---|" * (12 + 2 * len(extra_arms) + 4 * a.device_time)]
+    rows = [header, "|" + "---|" * (12 + 4 * a.device_time)]
     path = os.path.join(a.out, "kernel_attend.md")
     results = []
     by_op = []  # device time by op: [shape, arm, arm device ms med, op, us per call]
@@ -382,18 +327,12 @@ def main():
             made = [make_input(b, s, bits, seed=100 * i + bits) for i in range(n_inputs)]
             nblk, tail = made[0][2], made[0][3]
             variants = {"kernel": lambda x, bits=bits: kernel_fn(x[0], bits)}
-            for v in extra_arms:
-                variants[v] = lambda x, bits=bits, v=v: kernel_fn(x[0], bits, v)
             variants["sdpa"] = lambda x: sdpa_fn(x[0][0], *x[1])
             if not a.no_deq:
                 variants["deq"] = lambda x, bits=bits, tail=tail: deq_sdpa_fn(x[0], bits, tail)
             inputs = [(m[0], m[1]) for m in made]
             dq_out = deq_sdpa_fn(inputs[0][0], bits, tail)
             ok, e_ref, e_dq = check(inputs[0][0], dq_out, bits)
-            for v in extra_arms:
-                ok = ok and check(inputs[0][0], dq_out, bits, v)[0]
-                same = mx.array_equal(kernel_fn(inputs[0][0], bits, v), kernel_fn(inputs[0][0], bits)).item()
-                print(f"B={b} S={s} {bits}-bit: {v} output identical to kernel: {same}", flush=True)
             t = time_variants(variants, inputs, a.repeats)
             med = {k: float(np.median(v)) for k, v in t.items()}
             nbytes = kernel_bytes(b, nblk, tail, bits)
@@ -407,12 +346,10 @@ def main():
                    f"{med['sdpa'] / km:.2f} | {deq} | {xdeq} | "
                    f"{'ok' if ok else 'FAIL'} ({e_ref:.1e} / {e_dq:.1e}) | "
                    f"{100 * spread:.1f}% |")
-            for v in extra_arms:
-                row += f" {med[v] * 1e3:.3f} | {med[v] / km:.2f} |"
             result = dict(b=b, s=s, bits=bits, pct=bw / copy_bw, ok=ok, x_sdpa=med["sdpa"] / km,
                           x_deq=(med["deq"] / km) if "deq" in med else None)
             if a.device_time:
-                dt, ops = device_times({k: variants[k] for k in ("kernel", *extra_arms, "sdpa")}, inputs,
+                dt, ops = device_times({k: variants[k] for k in ("kernel", "sdpa")}, inputs,
                                        a.repeats)
                 for arm, counter in ops.items():
                     by_op.extend([f"{b}:{s}:{bits}", arm, f"{np.median(dt[arm]) * 1e3:.3f}", op, f"{us:.1f}"]

@@ -13,6 +13,7 @@ from kiviq.kernels.kivi_quant import (
 )
 from kiviq.kernels.kivi_reference import decode_attention, decode_attention_dense, flush_tails
 from kiviq.kernels.layout import KiviPool, allocate_pool, check_layout
+from kiviq.kernels.self_check import self_check
 
 __all__ = [
     "KiviPool",
@@ -30,6 +31,7 @@ __all__ = [
     "pack",
     "quantize_key_blocks",
     "quantize_value_blocks",
+    "self_check",
     "tokens_to_blocks",
     "unpack",
 ]

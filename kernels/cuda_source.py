@@ -1,16 +1,18 @@
 """The CUDA text handed to `mx.fast.cuda_kernel`: only what a kernel uses, no comments.
 
+The kernels live in kernels/cuda/ (`kivi.cuh`, the shared device helpers, and one
+`.cu` file per kernel body) and are read once at import (`read`).
+
 Why it matters: MLX's CUDA `custom_kernel` pastes header + source into a new
 string at every call (while the graph is built) and hashes that whole string at
 every evaluation (the key of its compiled-module cache). A decode step calls two
 attention kernels per layer, so at B = 1 with 36 layers a 27 KB kernel text
 was ~1.7 MB of copying and hashing per step, on the host, which is what a B = 1
-step waits on (benchmarks/step_trace.py --host-profile). Stripping comments and
-indentation and keeping only the header items a kernel reaches (transitively)
-leaves the compiled code unchanged: the same tokens reach NVRTC, in the same
-order, minus declarations nothing references.
+step waits on. Stripping comments and indentation and keeping only the header
+items a kernel reaches (transitively) leaves the compiled code unchanged: the same
+tokens reach NVRTC, in the same order, minus declarations nothing references.
 
-The header grammar this relies on (kivi_cuda's HEADER follows it): every
+The header grammar this relies on (kernels/cuda/kivi.cuh follows it): every
 top-level item is a preprocessor line (with backslash continuations) or a
 declaration / definition ending at a `;` or `}` at brace depth 0; an item
 defines the first `kivi_*` / `KIVI_*` name it mentions; `//` starts a comment
@@ -20,30 +22,53 @@ everywhere (no string literal in the CUDA text contains it).
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import mlx.core as mx
 
+from kiviq.kernels.cuda_device import cuda_available
+
+SOURCE_DIR = Path(__file__).parent
+
 _NAME = re.compile(r"\b(?:kivi|KIVI)_\w+")
 
-# dtype -> (its C type in a kernel, its tag in MLX's name for a kernel instance)
-CUDA_TYPES = {mx.float16: ("__half", "float16_t"), mx.bfloat16: ("__nv_bfloat16", "bfloat16_t"),
-              mx.float32: ("float", "float"), mx.int32: ("int32_t", "int32_t"),
-              mx.uint8: ("uint8_t", "uint8_t")}
+# dtype -> its C type in a kernel
+CUDA_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float",
+              mx.int32: "int32_t", mx.uint8: "uint8_t"}
 _PRELUDE = ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n"
             "#include <cooperative_groups.h>\n")
+
+
+def read(name: str) -> str:
+    """The text of a kernel source file, e.g. "cuda/kivi.cuh" (relative to kernels/)."""
+    return (SOURCE_DIR / name).read_text()
+
+
+HEADER = read("cuda/kivi.cuh")
+
+
+def cuda_kernel(file: str, *, name: str, input_names, output_names, **kw):
+    """`mx.fast.cuda_kernel` of the kernel body in kernels/cuda/`file`, compacted, with
+    the items of kernels/cuda/kivi.cuh it reaches as its header; None where MLX has no
+    CUDA backend."""
+    if not cuda_available():
+        return None
+    source = read("cuda/" + file)
+    return mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
+                               source=compact(source), header=kernel_header(HEADER, source), **kw)
 
 
 def translation_unit(name: str, header: str, source: str, inputs, outputs, template) -> str:
     """The CUDA file MLX's `cuda_kernel` compiles for one instance (as
     mlx/backend/cuda/custom_kernel.cpp writes it), with the standard CUDA headers in
     place of MLX's utils.cuh, which kiviq's kernels do not use: for compiling a kernel
-    offline with nvcc (tests/test_cuda_source.py, benchmarks/kernel_sass.py).
+    offline with nvcc (`kernels.cuda_offline`).
     inputs / outputs: (name, dtype) pairs; template: (name, dtype or int) pairs."""
     text = _PRELUDE + header + "namespace mlx::core::cu {\n__global__ void custom_kernel_" + name + "(\n"
-    text += "".join(f"    const {CUDA_TYPES[dt][0]}* {n},\n" for n, dt in inputs)
-    text += ",\n".join(f"    {CUDA_TYPES[dt][0]}* {n}" for n, dt in outputs) + ") {\n"
+    text += "".join(f"    const {CUDA_TYPES[dt]}* {n},\n" for n, dt in inputs)
+    text += ",\n".join(f"    {CUDA_TYPES[dt]}* {n}" for n, dt in outputs) + ") {\n"
     for n, v in template:
-        text += (f"  using {n} = {CUDA_TYPES[v][0]};\n" if isinstance(v, mx.Dtype)
+        text += (f"  using {n} = {CUDA_TYPES[v]};\n" if isinstance(v, mx.Dtype)
                  else f"  constexpr int {n} = {v};\n")
     return text + source + "\n}\n}\n"
 
@@ -96,7 +121,7 @@ def kernel_header(header: str, source: str) -> str:
         if name is not None:
             defines.setdefault(name, []).append(i)
     keep = {i for i, item in enumerate(items) if _defined(item) is None}
-    todo = set(_NAME.findall(source))
+    todo = set(_NAME.findall(compact(source)))  # names in code, not in comments
     seen: set[str] = set()
     while todo:
         name = todo.pop()

@@ -340,3 +340,56 @@ def flush_tails(
     quantized = quantize_flushed(pool, rows_k, rows_v, bits=bits, group_size=g)
     write_flushed(pool, slots, ids, shifted_tail(rows_k, g), shifted_tail(rows_v, g), quantized)
     return pool
+
+
+def gather_flush_layers(pools: list[KiviPool], slots: mx.array, ids: mx.array, *, bits: int, group_size: int,
+                        blocks_per_slot: int = 1, quantize=quantize_flushed) -> None:
+    """`flush_tails` of the same slots into the same block ids of several pools (a
+    model's layers), with k = blocks_per_slot blocks per slot, and one host sync for
+    all of them: the flush path where no fused in-place kernel exists.
+
+    Every read of the pools (the flushed tails' rows, gathered) is started at once
+    (`mx.async_eval`), the writes (scatters) are built meanwhile and stay lazy: a
+    scatter updates a pool in place only if, when it is evaluated (with the caller's
+    next graph), no read of that buffer is pending on the device; MLX copies the whole
+    array otherwise. So the device has released the pools' buffers when this returns
+    (`finish`).
+
+    Args:
+        slots, ids: checked int32 arrays (`check_flush_args`).
+        quantize: (pool, blocks_k, blocks_v, *, bits, group_size) -> the new blocks
+            (`quantize_flushed`, or a kernel of the same contract).
+    """
+    g, kb = group_size, blocks_per_slot
+    # rows: [F, H_kv, R + k*G, D] per pool and tail.
+    rows = [(pool.tail_k[slots], pool.tail_v[slots]) for pool in pools]
+    reads = [a for pair in rows for a in pair]
+    mx.async_eval(reads)
+    for pool, (rows_k, rows_v) in zip(pools, rows):
+        # Each new block quantizes the first G rows of one entry: the slot's rows
+        # themselves when k = 1, else its oldest k*G rows cut into k entries of G.
+        blocks_k, blocks_v = (rows_k, rows_v) if kb == 1 else (_entries(rows_k, kb, g), _entries(rows_v, kb, g))
+        quantized = quantize(pool, blocks_k, blocks_v, bits=bits, group_size=g)
+        write_flushed(pool, slots, ids, shifted_tail(rows_k, kb * g), shifted_tail(rows_v, kb * g), quantized)
+    finish(reads)
+
+
+def finish(arrays: list[mx.array]) -> None:
+    """Wait until ``arrays`` are computed and the device has released every buffer
+    their kernels used, so that scatters into those buffers, evaluated after this,
+    happen in place.
+
+    `mx.eval` alone is not enough: the CUDA backend keeps a kernel's inputs alive
+    until a completion handler runs on another thread, which can come after `eval`
+    returns; `mx.synchronize` waits for the handlers too.
+    """
+    if arrays:
+        mx.eval(arrays)
+        mx.synchronize()
+
+
+def _entries(rows: mx.array, k: int, g: int) -> mx.array:
+    """[F, H_kv, T, D] tail rows -> [F * k, H_kv, G, D]: the oldest k*G rows as k
+    blocks' worth of rows per slot, slot by slot (the order of new_block_ids)."""
+    f, h, _, d = rows.shape
+    return rows[:, :, : k * g].reshape(f, h, k, g, d).transpose(0, 2, 1, 3, 4).reshape(f * k, h, g, d)

@@ -1,25 +1,24 @@
 """The CUDA text kiviq hands to MLX (kernels.cuda_source): smaller, and the same code.
 
-The last test compiles every kernel both ways with nvcc and compares the PTX; it
-runs where nvcc is installed (no GPU needed) and is skipped elsewhere.
+The nvcc tests compile every kernel source file (kernels/cuda/) both ways and compare
+the PTX; they run where nvcc is installed (no GPU needed) and are skipped elsewhere.
 """
 
 from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 
 import mlx.core as mx
 import pytest
 
-from kiviq.kernels import kivi_cuda
-from kiviq.kernels.cuda_source import compact, kernel_header, top_level_items, translation_unit
+from kiviq.kernels.cuda_offline import compile_and_count, find_cuobjdump, ptx_code, split_mma_unit
+from kiviq.kernels.cuda_source import HEADER, SOURCE_DIR, compact, kernel_header, read, top_level_items, translation_unit
+from kiviq.kernels.launch import POOL_NAMES
 
-HEADER = kivi_cuda.HEADER
-SOURCES = {"split_mma": kivi_cuda.ATTEND_MMA_SOURCE, "split_v1": kivi_cuda.ATTEND_SOURCE,
-           "merge": kivi_cuda.MERGE_SOURCE, "flush": kivi_cuda.FLUSH_SOURCE,
-           "flush_fused": kivi_cuda.FLUSH_FUSED_SOURCE}
+SOURCES = {"split_mma": read("cuda/attend_split_mma.cu"), "split": read("cuda/attend_split.cu"),
+           "merge": read("cuda/attend_merge.cu"), "flush": read("cuda/flush_quantize.cu"),
+           "flush_fused": read("cuda/flush_fused.cu")}
 NAME = re.compile(r"\b(?:kivi|KIVI)_\w+")
 
 
@@ -54,13 +53,18 @@ def test_kernel_header_defines_everything_the_kernel_reaches(kernel):
     header = kernel_header(HEADER, source)
     assert len(header) + len(compact(source)) < 0.7 * (len(HEADER) + len(source))
     defined = {m for item in top_level_items(header) for m in NAME.findall(re.split(r"[{;]", item)[0])[:1]}
-    used = set(NAME.findall(source)) | set(NAME.findall(header))
+    used = set(NAME.findall(compact(source))) | set(NAME.findall(header))
     assert used <= defined, used - defined
     assert kernel_header(header, source) == header  # closed: pruning again drops nothing
 
 
+def test_every_kernel_source_file_is_tested():
+    assert {p.name for p in (SOURCE_DIR / "cuda").glob("*.cu")} == {
+        "attend_split_mma.cu", "attend_split.cu", "attend_merge.cu", "flush_quantize.cu", "flush_fused.cu"}
+
+
 def test_merge_and_flush_leave_the_split_machinery_out():
-    for source in (kivi_cuda.MERGE_SOURCE, kivi_cuda.FLUSH_SOURCE):
+    for source in (SOURCES["merge"], SOURCES["flush"]):
         header = kernel_header(HEADER, source)
         assert "kivi_mma" not in header and "kivi_tail_attend" not in header
 
@@ -68,21 +72,10 @@ def test_merge_and_flush_leave_the_split_machinery_out():
 # ---- the same PTX, compiled with nvcc (no GPU needed) ----------------------------------
 
 
-def _ptx(tmp_path, tag: str, text: str) -> list[str]:
-    src, out = tmp_path / f"{tag}.cu", tmp_path / f"{tag}.ptx"
-    src.write_text(text)
-    r = subprocess.run(["nvcc", "-arch=sm_90a", "--ptx", "-std=c++17", "-o", str(out), str(src)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    # Debug line records name the source lines, which compaction renumbers.
-    return [ln for ln in out.read_text().splitlines()
-            if ln.strip() and not ln.strip().startswith((".loc", ".file", "//"))]
-
-
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed (no GPU needed, only the compiler)")
 def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
     bf, u8, f32, i32 = mx.bfloat16, mx.uint8, mx.float32, mx.int32
-    pool = list(zip(kivi_cuda.POOL_NAMES, [u8, bf, bf, u8, bf, bf, bf, bf]))
+    pool = list(zip(POOL_NAMES, [u8, bf, bf, u8, bf, bf, bf, bf]))
     attend_in = [("q", bf), *pool, ("block_tables", i32), ("num_blocks", i32), ("slots", i32),
                  ("tail_lens", i32), ("params", i32), ("qscale_in", f32), ("k_new", bf), ("v_new", bf)]
     attend_out = [("part_acc", f32), ("part_ml", f32)]
@@ -92,7 +85,7 @@ def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
         ("split_mma", [(n, mx.float16 if dt == bf else dt) for n, dt in attend_in], attend_out,
          [("T", mx.float16), ("SD", mx.float16), ("D", 64), ("G", 32), ("BITS", 2), ("REP", 8), ("NW", 4),
           ("FOLD", 1)]),
-        ("split_v1", attend_in, attend_out,
+        ("split", attend_in, attend_out,
          [("T", bf), ("SD", bf), ("D", 64), ("G", 16), ("BITS", 8), ("REP", 3), ("NW", 4)]),
         ("merge", [("part_acc", f32), ("part_ml", f32), ("params", i32)], [("out", bf)],
          [("T", bf), ("D", 128), ("REP", 4), ("MAX_SPLITS", 1024), ("MERGE_WARPS", 16)]),
@@ -103,30 +96,20 @@ def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
     ]
     for kernel, inputs, outputs, template in cases:
         source = SOURCES[kernel]
-        full = _ptx(tmp_path, kernel + "_full", translation_unit(kernel, HEADER, source, inputs, outputs, template))
-        small = _ptx(tmp_path, kernel + "_small", translation_unit(
-            kernel, kernel_header(HEADER, source), compact(source), inputs, outputs, template))
+        full = ptx_code(translation_unit(kernel, HEADER, source, inputs, outputs, template), str(tmp_path),
+                        kernel + "_full")
+        small = ptx_code(translation_unit(kernel, kernel_header(HEADER, source), compact(source), inputs, outputs,
+                                          template), str(tmp_path), kernel + "_small")
         assert full == small, kernel
 
 
-def _cuobjdump():
-    from benchmarks.kernel_sass import find_cuobjdump
-
-    try:
-        return find_cuobjdump()
-    except SystemExit:
-        return None
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None or _cuobjdump() is None,
+@pytest.mark.skipif(shutil.which("nvcc") is None or find_cuobjdump() is None,
                     reason="needs nvcc and cuobjdump (pip install nvidia-cuda-cuobjdump); no GPU")
 def test_fold_takes_the_dequantization_out_of_the_block_loop():
-    """benchmarks/kernel_sass.py on the MMA kernel: with FOLD the block loop has no
-    HSUB2 / HFMA2 (counted as HADD2 / HFMA2) and ~20% fewer instructions, the
-    measurement behind the FOLD path (docs/benchmarks.md, session 12)."""
-    from benchmarks.kernel_sass import compile_and_count, split_mma_unit
-
-    cuobjdump = _cuobjdump()
+    """The MMA kernel's block loop (kernels.cuda_offline): with FOLD it has no HSUB2 /
+    HFMA2 (counted as HADD2 / HFMA2) and ~20% fewer instructions, the reason for the
+    FOLD path."""
+    cuobjdump = find_cuobjdump()
     for bits in (2, 4):
         _, plain = compile_and_count(split_mma_unit(mx.float16, bits, 128, 4, 0), cuobjdump, None)
         _, fold = compile_and_count(split_mma_unit(mx.float16, bits, 128, 4, 1), cuobjdump, None)

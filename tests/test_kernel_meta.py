@@ -1,8 +1,8 @@
 """The kernels' small per-step inputs as views of one array made by an op
-(kernels.kivi_cuda.device_meta / flush_meta).
+(kernels.cuda_attend.device_meta, kernels.cuda_flush.flush_meta).
 
 On CUDA that op's output is device memory, where host-made arrays are MLX managed
-memory (docs/benchmarks.md, kernel section, session 11). What the kernels read
+memory (kernels.launch.packed_views says why that matters). What the kernels read
 must be the same values in the same shapes and dtypes; these checks run on any
 backend, the launches themselves in tests/test_kernels_gpu.py.
 """
@@ -13,7 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kiviq.kernels import kivi_cuda
+from kiviq.kernels import cuda_attend, cuda_flush
+from kiviq.kernels.launch import LOG2E, const
 from kiviq.kernels.layout import allocate_pool
 
 
@@ -23,8 +24,8 @@ def _meta(b=3, width=5):
     num_blocks = mx.array([5, 0, 2], dtype=mx.int32)[:b]
     slots = mx.array([2, 0, 7], dtype=mx.int32)[:b]
     tail_lens = mx.array([1, 31, 160], dtype=mx.int32)[:b]
-    params = kivi_cuda._const((width, 2, 3, 160, 5, 0), mx.int32)
-    qscale = kivi_cuda._const((0.125 * kivi_cuda.LOG2E,), mx.float32)
+    params = const((width, 2, 3, 160, 5, 0), mx.int32)
+    qscale = const((0.125 * LOG2E,), mx.float32)
     return [tables, num_blocks, slots, tail_lens, params, qscale]
 
 
@@ -35,8 +36,8 @@ def _same(a: mx.array, b: mx.array) -> bool:
 @pytest.mark.parametrize("b,width", [(3, 5), (1, 1)])  # B = 1: lengths of 4 bytes each
 def test_device_meta_views_hold_the_inputs_and_the_new_token_params(b, width):
     meta = _meta(b, width)
-    params_new = kivi_cuda._const((width, 2, 3, 160, 5, 1), mx.int32)
-    views, views_new = kivi_cuda.device_meta(meta, params_new)
+    params_new = const((width, 2, 3, 160, 5, 1), mx.int32)
+    views, views_new = cuda_attend.device_meta(meta, params_new)
     for got, want in zip(views[:5], meta[:5]):
         assert _same(got, want)
     assert _same(views_new[4], params_new)
@@ -48,12 +49,9 @@ def test_device_meta_views_hold_the_inputs_and_the_new_token_params(b, width):
     assert views_new[5] is views[5]
 
 
-def test_flush_meta_is_the_same_values_and_host_mode_passes_them_through(monkeypatch):
+def test_flush_meta_is_the_same_values():
     pool = allocate_pool(8, 4, 2, 64, bits=4, group_size=32, residual=128)
-    slots, ids = mx.array([3, 1], dtype=mx.int32), mx.array([6, 7], dtype=mx.int32)
-    got = kivi_cuda.flush_meta(pool, slots, ids, 1)
-    want_params = kivi_cuda._const((160, 2, 1), mx.int32)
-    assert _same(got[0], slots) and _same(got[1], ids) and _same(got[2], want_params)
-    monkeypatch.setenv(kivi_cuda.META_ENV, "host")
-    host = kivi_cuda.flush_meta(pool, slots, ids, 1)
-    assert host[0] is slots and host[1] is ids and _same(host[2], want_params)
+    slots, ids = mx.array([3, 1], dtype=mx.int32), mx.array([6, 7, 2, 5], dtype=mx.int32)
+    got = cuda_flush.flush_meta(pool, slots, ids, 2)
+    assert _same(got[0], slots) and _same(got[1], ids)
+    assert _same(got[2], const((160, 2, 2), mx.int32))

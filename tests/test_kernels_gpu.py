@@ -15,14 +15,14 @@ Expected mismatches (why the tolerances are not zero):
   * so the kernel's fp16/bf16 output may sit one output ulp away from the float32
     oracle rounded (a tie broken differently): tolerance = 1 ulp of the dtype
     (2^-10 relative for fp16, 2^-7 for bf16) + 1e-4 of the row's largest |value|.
-The tensor-core split kernel (`kivi_cuda.mma_supports`: bits 2/4, G = 32, D <= 128)
+The tensor-core split kernel (`cuda_attend.mma_supports`: bits 2/4, G = 32, D 64/128)
 has other numerics on purpose: it dequantizes K and V to the pool's dtype (one rounding,
 2^-11 relative in fp16, 2^-8 in bf16), rounds q to that dtype for the dot products and
 the probabilities p for the value sum (float32 accumulation throughout). Its oracle
 (`oracle_mma`) does the same roundings of K, V and q in float32 math, so only the
 rounding of p remains: |error| <= u * max|v| of the row's sequence (u = the dtype's unit
 roundoff), added to the tolerance above. With fp16 pools that kernel takes its FOLD path
-(scales folded into q and p, K and V never dequantized; kivi_cuda.fold_applies): its
+(scales folded into q and p, K and V never dequantized; cuda_attend.fold_applies): its
 oracle (`oracle_fold`) rounds q * scale exactly as the kernel does, and the rounding of
 p and of p * scale adds <= 3 u max|v| (tolerance: twice that).
 The flush kernel has no a*b+c and must match codes, scales and zeros bit for bit.
@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 
 import kiviq.kernels
-from kiviq.kernels import dispatch, kivi_cuda
+from kiviq.kernels import cuda_attend, dispatch, kivi_cuda, launch
 from kiviq.kernels.kivi_quant import (
     blocks_to_tokens,
     dequantize_key_blocks,
@@ -63,7 +63,7 @@ ERR_LOG = os.environ.get("KIVIQ_ERR_LOG")  # JSON lines of max errors, if set
 
 
 def _backend():
-    return kivi_cuda if kivi_cuda.ATTEND_KERNEL is not None else kiviq.kernels.kivi_metal
+    return kivi_cuda if kivi_cuda.available() else kiviq.kernels.kivi_metal
 
 
 def to_np(a: mx.array) -> np.ndarray:
@@ -242,8 +242,8 @@ def expect(q, pool, table, nb, slots, tl, *, scale, bits, group_size=32):
     """(reference, extra tolerance) for the split kernel this call dispatches to."""
     args = (q, pool, table, nb, slots, tl)
     if (_backend() is kivi_cuda
-            and kivi_cuda.mma_supports(q.shape, pool, bits, group_size) is None):
-        if kivi_cuda.fold_applies(pool):
+            and cuda_attend.mma_supports(q.shape, pool, bits, group_size) is None):
+        if cuda_attend.fold_applies(pool):
             return oracle_fold(*args, scale=scale, bits=bits, group_size=group_size)
         return oracle_mma(*args, scale=scale, bits=bits, group_size=group_size)
     return oracle(*args, scale=scale, bits=bits, group_size=group_size), None
@@ -255,13 +255,6 @@ def check_kernel(args, dtype, label, *, scale, bits, group_size=32):
     ref, extra = expect(*args, scale=scale, bits=bits, group_size=group_size)
     check_close(out, ref, dtype, label, extra)
     return out
-
-
-@pytest.fixture(params=["auto", "v1"])
-def split_kernel(request, monkeypatch):
-    """Both CUDA split kernels: the default choice (MMA where it applies) and v1."""
-    monkeypatch.setenv(kivi_cuda.KERNEL_ENV, request.param)
-    return request.param
 
 
 # ---- host-side checks (any machine) -------------------------------------------------
@@ -280,30 +273,58 @@ def test_split_plan_fills_the_gpu_from_the_shape():
     assert kivi_cuda.split_plan(1, 8, 1020, 32, sms=132)[0] * 8 >= 1000
 
 
-def test_mma_kernel_covers_the_common_layouts(monkeypatch):
+def test_sm_count_comes_from_the_cuda_runtime(monkeypatch):
+    """split_plan fills the device's SMs: cudaDeviceGetAttribute(multiprocessor count)
+    through ctypes, read once; FALLBACK_SMS where no CUDA library loads."""
+    from kiviq.kernels import cuda_device
+
+    calls = []
+
+    class Runtime:
+        def cudaDeviceGetAttribute(self, out, attr, device):
+            calls.append((attr, device))
+            out._obj.value = 78
+            return 0
+
+    def no_library(name):
+        raise OSError(name)
+
+    monkeypatch.setattr(cuda_device.ctypes, "CDLL", lambda name: Runtime() if name == "libcudart.so.13"
+                        else no_library(name))
+    cuda_device.num_sms.cache_clear()
+    try:
+        assert cuda_device.num_sms() == 78 and cuda_device.num_sms() == 78
+        assert calls == [(16, 0)]  # cudaDevAttrMultiProcessorCount, device 0, asked once
+        plan = kivi_cuda.split_plan(1, 8, 1020, 32, step_tokens=32)
+        assert plan == kivi_cuda.split_plan(1, 8, 1020, 32, sms=78, step_tokens=32)
+        assert plan != kivi_cuda.split_plan(1, 8, 1020, 32, sms=132, step_tokens=32)
+        monkeypatch.setattr(cuda_device.ctypes, "CDLL", no_library)
+        cuda_device.num_sms.cache_clear()
+        assert cuda_device.num_sms() == cuda_device.FALLBACK_SMS
+    finally:
+        cuda_device.num_sms.cache_clear()
+
+
+def test_mma_kernel_covers_the_common_layouts():
     pool = allocate_pool(2, 2, 8, 128, bits=4)
-    assert kivi_cuda.mma_supports((4, 32, 128), pool, 4, 32) is None
-    assert kivi_cuda.mma_supports((4, 32, 128), pool, 2, 32) is None
-    assert "bits=8" in kivi_cuda.mma_supports((4, 32, 128), pool, 8, 32)
-    assert "G=16" in kivi_cuda.mma_supports((4, 32, 128), pool, 4, 16)
-    assert "D=256" in kivi_cuda.mma_supports((4, 32, 256), pool, 4, 32)
-    monkeypatch.setenv(kivi_cuda.KERNEL_ENV, "v1")
-    assert kivi_cuda.mma_supports((4, 32, 128), pool, 4, 32) is not None
+    assert cuda_attend.mma_supports((4, 32, 128), pool, 4, 32) is None
+    assert cuda_attend.mma_supports((4, 32, 64), pool, 2, 32) is None
+    assert "bits=8" in cuda_attend.mma_supports((4, 32, 128), pool, 8, 32)
+    assert "G=16" in cuda_attend.mma_supports((4, 32, 128), pool, 4, 16)
+    assert "D=256" in cuda_attend.mma_supports((4, 32, 256), pool, 4, 32)
+    assert "D=32" in cuda_attend.mma_supports((4, 32, 32), pool, 4, 32)
     # One warp per block-sized step: B = 1 at 32k tokens gets >= 1000 splits per head.
     nsplit, bps = kivi_cuda.split_plan(1, 8, 1020, 32, sms=132, step_tokens=32)
     assert nsplit * bps >= 1020 and nsplit * 8 >= 1000
 
 
-def test_dispatch_uses_the_reference_without_a_gpu_kernel(monkeypatch):
+def test_dispatch_uses_the_reference_without_a_gpu_kernel():
     rng = np.random.default_rng(0)
     args = make_case(rng, lens=[(2, 40), (0, 5)], h_kv=2, rep=2, d=64, bits=4,
                      dtype=mx.float16)
     kw = dict(scale=0.125, bits=4)
     ref = decode_attention(*args, **kw)
-    monkeypatch.setenv(dispatch.ENV, "reference")
-    assert dispatch.backend() == "reference"
-    np.testing.assert_array_equal(to_np(dispatch.decode_attend(*args, **kw)), to_np(ref))
-    monkeypatch.delenv(dispatch.ENV)
+    np.testing.assert_array_equal(to_np(dispatch.decode_attend(*args, **kw, use_kernel=False)), to_np(ref))
     if not dispatch.kernel_available():
         assert dispatch.backend() == "reference"
         np.testing.assert_array_equal(to_np(dispatch.decode_attend(*args, **kw)), to_np(ref))
@@ -328,23 +349,18 @@ def test_kernel_template_holds_no_length():
     assert len(grids) == 3
 
 
-def test_fold_path_is_chosen_for_fp16_pools_only(monkeypatch):
+def test_fold_path_is_chosen_for_fp16_pools_only():
     """The MMA kernel's FOLD template constant (host side, no GPU needed): 1 for fp16
-    pools, 0 for bf16 (its codes would be bf16 subnormals) and under KIVIQ_KIVI_FOLD=0."""
+    pools, 0 for bf16 (its codes would be bf16 subnormals)."""
     rng = np.random.default_rng(5)
 
     def fold(dtype):
         q, pool, *meta = make_case(rng, lens=[(3, 40)], h_kv=2, rep=4, d=128, bits=2, dtype=dtype)
         plan = kivi_cuda.AttendPlan(q.shape, q.dtype, pool, *meta, scale=0.1, bits=2, group_size=32)
-        return dict(plan.split_kw["template"])["FOLD"], kivi_cuda.fold_applies(pool)
+        return dict(plan.split_kw["template"])["FOLD"], cuda_attend.fold_applies(pool)
 
     assert fold(mx.float16) == (1, True)
     assert fold(mx.bfloat16) == (0, False)
-    monkeypatch.setenv(kivi_cuda.FOLD_ENV, "0")
-    assert fold(mx.float16) == (0, False)
-    monkeypatch.setenv(kivi_cuda.FOLD_ENV, "yes")
-    with pytest.raises(ValueError, match="KIVIQ_KIVI_FOLD"):
-        fold(mx.float16)
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -374,33 +390,19 @@ def test_step_plan_cuts_the_tail_into_row_splits_and_sizes_the_merge():
     plan = kivi_cuda.AttendPlan(q.shape, q.dtype, pool, table, nb, slots, tl, scale=0.1, bits=4,
                                 group_size=32)
     mb, bps, nsplit, rg, tail_splits, new_token = np.array(plan.params).tolist()
-    assert (rg, tail_splits) == (R + 32, -(-(R + 32) // kivi_cuda.TAIL_ROWS))
+    assert (rg, tail_splits) == (R + 32, -(-(R + 32) // launch.TAIL_ROWS))
     # params[5]: whether the new token comes with the launch (and is written by it).
     assert new_token == 0 and np.array(plan.meta_new[4]).tolist() == [mb, bps, nsplit, rg, tail_splits, 1]
     assert bps == 1 and nsplit == mb == table.shape[1]  # B = 1: one block per split
     nsu = nsplit + tail_splits
     assert plan.split_kw["output_shapes"][0] == (1, 8, nsu, 4, 128)
-    assert plan.split_kw["grid"] == (-(-nsu // kivi_cuda.WARPS) * kivi_cuda.WARPS * 32, 8, 1)
-    mw = kivi_cuda.merge_warps(nsu)
+    assert plan.split_kw["grid"] == (-(-nsu // launch.WARPS) * launch.WARPS * 32, 8, 1)
+    mw = cuda_attend.merge_warps(nsu)
     assert plan.merge_kw["threadgroup"] == (mw * 32, 1, 1) and plan.merge_kw["grid"] == (32 * mw * 32, 1, 1)
-    too_long = allocate_pool(2, 2, 8, 128, bits=4, residual=32 * kivi_cuda.MAX_TAIL_SPLITS)
-    assert "R + G" in kivi_cuda.supports((1, 32, 128), mx.float16, too_long, 4, 32)
-
-
-def test_launch_bounds_declaration_matches_mlx_naming():
-    """MLX names a custom kernel custom_kernel_<name><template tag> in namespace
-    mlx::core::cu, one pointer argument per input and output; the declaration that
-    gives it launch bounds must spell that exactly (ncu showed this name)."""
-    template = [("T", mx.float16), ("SD", mx.bfloat16), ("D", 128), ("G", 32), ("BITS", 4)]
-    decl = kivi_cuda.bounded_declaration("kivi_attend_split_mma", template,
-                                         [("q", mx.float16), ("k_codes", mx.uint8), ("params", mx.int32)],
-                                         [("part_ml", mx.float32)], 128, 4)
-    assert decl.startswith("namespace mlx::core::cu {\n")
-    assert ("__global__ void __launch_bounds__(128, 4) custom_kernel_kivi_attend_split_mma"
-            "_float16_t_bfloat16_t_128_32_4(const __half* q, const uint8_t* k_codes, "
-            "const int32_t* params, float* part_ml);") in decl
-    assert kivi_cuda.merge_warps(1) == 1 and kivi_cuda.merge_warps(25) == 4
-    assert kivi_cuda.merge_warps(1001) == kivi_cuda.MERGE_WARPS
+    too_long = allocate_pool(2, 2, 8, 128, bits=4, residual=32 * launch.MAX_TAIL_SPLITS)
+    assert "R + G" in launch.supports((1, 32, 128), mx.float16, too_long, 4, 32)
+    assert cuda_attend.merge_warps(1) == 1 and cuda_attend.merge_warps(25) == 4
+    assert cuda_attend.merge_warps(1001) == cuda_attend.MERGE_WARPS
 
 
 # ---- GPU parity ---------------------------------------------------------------------
@@ -427,12 +429,23 @@ PARAMS = [(*c, *HEADS[(i + i // 4) % 4]) for i, c in enumerate(COMBOS)]
                               for p in PARAMS])
 @pytest.mark.gpu
 @NEEDS_GPU
-def test_decode_matches_reference(bits, dtype, d, h_kv, rep, split_kernel):
+def test_decode_matches_reference(bits, dtype, d, h_kv, rep):
     rng = np.random.default_rng(bits * 1000 + d + rep)
     for name, lens in CASES.items():
         args = make_case(rng, lens=lens, h_kv=h_kv, rep=rep, d=d, bits=bits, dtype=dtype)
-        check_kernel(args, dtype, f"{split_kernel} {name} bits={bits} d={d} kv={h_kv} rep={rep}",
+        check_kernel(args, dtype, f"{name} bits={bits} d={d} kv={h_kv} rep={rep}",
                      scale=d**-0.5, bits=bits)
+
+
+@pytest.mark.parametrize("d", [32, 256])  # the CUDA-core split kernel's head dims
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_decode_matches_reference_at_other_head_dims(d, bits):
+    rng = np.random.default_rng(d + bits)
+    for dtype in (mx.float16, mx.bfloat16):
+        args = make_case(rng, lens=CASES["b3"], h_kv=2, rep=4, d=d, bits=bits, dtype=dtype)
+        check_kernel(args, dtype, f"b3 bits={bits} d={d}", scale=d**-0.5, bits=bits)
 
 
 
@@ -448,16 +461,16 @@ LONG = [  # the 32k cases: few combos, so the run stays short
                          ids=["4bit-fp16-b1", "2bit-bf16-b3", "8bit-fp16-b1"])
 @pytest.mark.gpu
 @NEEDS_GPU
-def test_decode_matches_reference_at_32k(bits, dtype, d, h_kv, rep, lens, split_kernel):
+def test_decode_matches_reference_at_32k(bits, dtype, d, h_kv, rep, lens):
     rng = np.random.default_rng(32768 + bits)
     args = make_case(rng, lens=lens, h_kv=h_kv, rep=rep, d=d, bits=bits, dtype=dtype)
-    check_kernel(args, dtype, f"{split_kernel} 32k bits={bits} B={len(lens)}",
+    check_kernel(args, dtype, f"32k bits={bits} B={len(lens)}",
                  scale=d**-0.5, bits=bits)
 
 
 @pytest.mark.gpu
 @NEEDS_GPU
-def test_decode_edge_cases(split_kernel):
+def test_decode_edge_cases():
     rng = np.random.default_rng(5)
     # float32 queries; no quantized block in the whole batch (empty table).
     q, pool, table, nb, slots, tl = make_case(rng, lens=[(0, 7), (0, 1)], h_kv=2, rep=2,
@@ -480,7 +493,7 @@ def test_decode_edge_cases(split_kernel):
 
 @pytest.mark.gpu
 @NEEDS_GPU
-def test_dispatch_picks_the_kernel_and_env_forces_the_reference(monkeypatch):
+def test_dispatch_picks_the_kernel_and_use_kernel_false_forces_the_reference():
     rng = np.random.default_rng(9)
     args = make_case(rng, lens=[(4, 130), (0, 9)], h_kv=2, rep=4, d=128, bits=4,
                      dtype=mx.float16)
@@ -488,15 +501,14 @@ def test_dispatch_picks_the_kernel_and_env_forces_the_reference(monkeypatch):
     assert dispatch.backend() in ("cuda", "metal")
     np.testing.assert_array_equal(to_np(dispatch.decode_attend(*args, **kw)),
                                   to_np(_backend().kivi_decode_attend(*args, **kw)))
-    monkeypatch.setenv(dispatch.ENV, "reference")
-    assert dispatch.backend() == "reference"
-    np.testing.assert_array_equal(to_np(dispatch.decode_attend(*args, **kw)),
+    assert dispatch.backend(use_kernel=False) == "reference"
+    np.testing.assert_array_equal(to_np(dispatch.decode_attend(*args, **kw, use_kernel=False)),
                                   to_np(decode_attention(*args, **kw)))
 
 
 @pytest.mark.gpu
 @NEEDS_GPU
-def test_plan_takes_the_models_query_layout(split_kernel):
+def test_plan_takes_the_models_query_layout():
     """The engine passes q as the model made it, [B, H_q, 1, D]: the step plan reads
     and returns that shape with exactly the values of the [B, H_q, D] call."""
     rng = np.random.default_rng(12)
@@ -536,11 +548,11 @@ def test_growing_lengths_do_not_recompile():
 
 # ---- the new token with the launch ----------------------------------------------------
 
-@pytest.mark.parametrize("bits", [2, 4, 8])  # 8 bits: the CUDA-core kernel under "auto" too
+@pytest.mark.parametrize("bits", [2, 4, 8])  # 8 bits: the CUDA-core kernel
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 @pytest.mark.gpu
 @NEEDS_GPU
-def test_new_token_with_the_launch_equals_a_written_tail(bits, dtype, split_kernel):
+def test_new_token_with_the_launch_equals_a_written_tail(bits, dtype):
     """plan(q, pool, k_new, v_new) (the engine's decode step on CUDA) gives the same
     output, bit for bit, as the same plan over a tail the token was scattered into,
     and leaves the same tails. The stale row it replaces is NaN, so a read of it
@@ -621,13 +633,11 @@ def test_flush_kernel_is_bit_exact(bits, dtype, g):
 
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("flush_kernel", ["gather", "fused"])
 @pytest.mark.gpu
 @NEEDS_GPU
-def test_multi_block_flush_of_all_layers_kernel_equals_reference(bits, k, flush_kernel, monkeypatch):
-    """flush_layers with k blocks per slot (KVConfig.flush_blocks), with either flush
-    kernel (KIVIQ_FLUSH_KERNEL): every pool ends bit-identical to the reference path."""
-    monkeypatch.setenv(kivi_cuda.FLUSH_KERNEL_ENV, flush_kernel)
+def test_multi_block_flush_of_all_layers_kernel_equals_reference(bits, k):
+    """flush_layers with k blocks per slot (KVConfig.flush_blocks; the fused kernel on
+    CUDA, the gather path on Metal): every pool ends bit-identical to the reference."""
     rng = np.random.default_rng(bits * 7 + k)
     g, dtype = 32, mx.bfloat16
     sets = []
@@ -653,10 +663,9 @@ def test_multi_block_flush_of_all_layers_kernel_equals_reference(bits, k, flush_
 
 @pytest.mark.gpu
 @NEEDS_GPU
-def test_fused_flush_of_all_layers_is_in_place(monkeypatch):
+def test_fused_flush_of_all_layers_is_in_place():
     if _backend() is not kivi_cuda:
         pytest.skip("the fused flush kernel is CUDA only")
-    monkeypatch.setenv(kivi_cuda.FLUSH_KERNEL_ENV, "fused")
     pools = [allocate_pool(512, 256, 8, 128, bits=4) for _ in range(2)]  # tails: 2 x 80 MiB each
     mx.eval(pools)
     objects = [id(a) for p in pools for a in p]

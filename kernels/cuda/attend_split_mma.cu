@@ -1,0 +1,309 @@
+// The tensor-core split kernel (kivi_attend_split_mma): same inputs, outputs, grid and
+// merge as attend_split.cu; G = 32, bits 2 or 4, D 64 or 128, REP <= 8. A warp stages one
+// block (K and V codes, scales, zeros) in shared memory, dequantizes it to SD fragments
+// and runs m16n8k16 MMAs with float32 accumulation:
+//   K phase: scores[token][rep] = K_hat[32 tokens][D] . q^T, rows = tokens (2 m-tiles),
+//     n = query heads (padded to 8). Lane (g = lane / 4, f = lane % 4) holds tokens
+//     4g .. 4g+3 (one 4-code unit of a channel row) for channels 2f, 2f+1, 2f+8, 2f+9
+//     of each 16-channel k-tile.
+//   V phase: out^T[channel][rep] += V_hat^T[D][32 tokens] . p^T, rows = channels, k =
+//     tokens. Lane holds channels 32mp + 4g .. +3 (one unit of a token row) for tokens
+//     8f .. 8f+7, so its value scales (staged transposed, [group][token]) are adjacent.
+//   p goes through shared memory in SD ([8][32] per warp): the transpose between the
+//   two fragment layouts.
+// FOLD (template constant; 1 exactly for fp16 pools): no code is dequantized. Since
+// K_hat = code * s + z per channel and V_hat = code * s + z per token and group,
+//   scores = codes . (q * s) + z . q        out = codes^T . (p * s) + z^T . p
+// so the scale goes onto the other operand (one HMUL2 per 2 channels of q per block,
+// per 2 tokens of p per group), the zeros' terms are two small MMAs of their own
+// (zc; zv for all channel groups at once), and a code pair costs one AND: the code at
+// its bit position O with a zero exponent is the fp16 subnormal code * 2^(O - 24),
+// exact, and the MMA's float32 sums are multiplied back by 2^(24 - O) (O is fixed per
+// accumulator register). Dequantizing was LOP3 + HSUB2 + HFMA2 per pair, ~45% of a
+// tile's instructions: offline SASS (kernels.cuda_offline, D = 128) puts the block loop
+// at 657 instead of 856 instructions at 4 bits and 606 instead of 817 at 2 bits.
+// Numerics: K_hat and V_hat are never rounded; q * s and p * s are, once each to
+// fp16 (2^-11 relative), with zeros' terms from the rounded q and p. fp16 only: a
+// bf16 code would be a bf16 subnormal (2^-133), whose products underflow float32.
+  constexpr int P = 8 / BITS;
+  constexpr int KROW = G / P;     // bytes of a k_codes row (one channel)
+  constexpr int VROW = D / P;     // bytes of a v_codes row (one token)
+  constexpr int UB = BITS / 2;    // bytes of a 4-code unit
+  constexpr int KT = D / 16;      // k-tiles of the K phase
+  constexpr int MP = D / 32;      // channel m-tile pairs of the V phase (one group each)
+  constexpr int NG = D / G;       // value groups per token
+  constexpr int NCH = VROW / 16;  // 16-byte chunks per value row (swizzled in smem)
+  constexpr int KTILE = D * KROW;
+  constexpr int VTILE = G * VROW;
+  constexpr int SB = KTILE + VTILE + 4 * D * 2;  // one staged block
+  constexpr int WB = 2 * SB + 4 * D + 16 * G;    // per warp: 2 stages, v scales^T, p
+  static_assert(G == 32, "MMA kernel: G = 32");
+  static_assert(!FOLD || kivi_same<SD, __half>::value, "FOLD: fp16 pools only (fp16 subnormal codes)");
+  static_assert(WB >= REP * (D + 32) * 4, "tail warp scratch fits in its region");
+  // Per warp: stages 0 and 1 (cp.async double buffer), the value scales and zeros
+  // transposed to [group][token], and p as [8 heads][32 tokens] in SD. The tail warp
+  // uses its region for q (float) and p instead. No block-wide barrier anywhere.
+  __shared__ __align__(16) uint8_t smem[NW * WB];
+
+  KIVI_SPLIT_INDICES
+  if (split >= nsu) return;
+  const T* qp = q + ((size_t)b * H_kv + h) * (REP * D);
+  const float qscale = qscale_in[0];
+  uint8_t* ws = smem + warp * WB;
+  const size_t oi = ((size_t)(b * H_kv + h) * nsu + split) * REP;
+
+  if (split >= nsplit) {  // a chunk of the fp16/bf16 tail, on the CUDA cores
+    float* qs = reinterpret_cast<float*>(ws);  // [D][REP] q * scale * log2(e)
+    for (int i = lane; i < REP * D; i += 32) qs[(i % D) * REP + i / D] = kivi_f(qp[i]) * qscale;
+    __syncwarp();
+    float m[REP], l[REP], acc[REP][8];
+#pragma unroll
+    for (int r = 0; r < REP; ++r) {
+      m[r] = KIVI_NEG_INF;
+      l[r] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[r][j] = 0.0f;
+    }
+    KIVI_TAIL_CHUNK
+    kivi_tail_attend<SD, D, REP, 32>(qs, qs + D * REP, tail_k + base, tail_v + base, rows, nr,
+                                     k_new + kv, v_new + kv, lane, m, l, acc);
+    kivi_write_part<D, REP>(m, l, acc, lane, part_acc, part_ml, oi);
+    return;
+  }
+
+  const int g = lane >> 2;
+  const int f = lane & 3;
+  SD* vs = reinterpret_cast<SD*>(ws + 2 * SB);  // [NG][G] value scales of the block
+  SD* vz = vs + D;
+  SD* pt = vz + D;                                // [8][G] p
+
+  // q of query head g as B fragments (zero rows pad REP to 8), unscaled: the softmax
+  // scale is applied to the float32 scores.
+  uint32_t qb[KT][2];
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) {
+    qb[kt][0] = 0u;
+    qb[kt][1] = 0u;
+    if (g < REP) {
+      const T* qr = qp + g * D + kt * 16 + 2 * f;
+      qb[kt][0] = kivi_pack2f<SD>(kivi_f(qr[0]), kivi_f(qr[1]));
+      qb[kt][1] = kivi_pack2f<SD>(kivi_f(qr[8]), kivi_f(qr[9]));
+    }
+  }
+  float m2[2] = {KIVI_NEG_INF, KIVI_NEG_INF};  // query heads 2f, 2f+1
+  float l2[2] = {0.0f, 0.0f};                  // this lane's tokens only
+  float oacc[2 * MP][4];
+  // FOLD: sum over tokens of p * value zero; rows g and g + 8 of lane (g, f) hold
+  // channel group g % MP, heads 2f + {0, 1}.
+  float zv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int i = 0; i < 2 * MP; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) oacc[i][j] = 0.0f;
+
+  const int nb = min(num_blocks[b], mbs);
+  const int blk0 = split * bps;
+  const int blk1 = min(blk0 + bps, nb);
+  const int* table = block_tables + (size_t)b * mbs;
+  if (blk0 < blk1) {
+    kivi_stage_tile<SD, D, KTILE, VTILE>(ws, lane, (size_t)table[blk0] * H_kv + h, k_codes,
+                                         v_codes, k_scales, k_zeros, v_scales, v_zeros);
+  }
+  for (int blk = blk0; blk < blk1; ++blk) {
+    // Prefetch the next block into the other stage, then wait for this one.
+    const uint8_t* st = ws + ((blk - blk0) & 1) * SB;
+    if (blk + 1 < blk1) {
+      kivi_stage_tile<SD, D, KTILE, VTILE>(ws + ((blk + 1 - blk0) & 1) * SB, lane,
+                                           (size_t)table[blk + 1] * H_kv + h, k_codes,
+                                           v_codes, k_scales, k_zeros, v_scales, v_zeros);
+      kivi_cp_wait<1>();
+    } else {
+      kivi_cp_wait<0>();
+    }
+    __syncwarp();
+    const uint8_t* kc = st;
+    const uint8_t* vc = st + KTILE;
+    const SD* ks = reinterpret_cast<const SD*>(st + KTILE + VTILE);
+    const SD* kz = ks + D;
+    {
+      const SD* vsg = kz + D;  // [G tokens][NG groups] as stored
+      const SD* vzg = vsg + D;
+#pragma unroll
+      for (int i = lane; i < D; i += 32) {
+        const int t = i / NG, gr = i % NG;
+        vs[gr * G + t] = vsg[i];
+        vz[gr * G + t] = vzg[i];
+      }
+    }
+    __syncwarp();
+
+    // ---- K phase: scores of tokens 4g + {0,1} (m-tile 0) and 4g + {2,3} (m-tile 1)
+    // Two accumulators per m-tile (even and odd k-tiles): two independent MMA chains.
+    // Every shared address below is a per-lane base plus a compile-time offset (one
+    // LDS [R + imm] each; offsets kept in registers cost an IADD3 per load and registers).
+    float sc[2][4], sc2[2][4], zc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sc[i][j] = sc2[i][j] = 0.0f;
+    const uint8_t* kl = kc + (2 * f) * KROW + g * UB;  // channel 2f, tokens 4g ..
+    const SD* ksl = ks + 2 * f;
+    const SD* kzl = kz + 2 * f;
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt) {
+      const uint8_t* kk = kl + kt * 16 * KROW;
+      const uint32_t s01 = *reinterpret_cast<const uint32_t*>(ksl + kt * 16);
+      const uint32_t z01 = *reinterpret_cast<const uint32_t*>(kzl + kt * 16);
+      const uint32_t s89 = *reinterpret_cast<const uint32_t*>(ksl + kt * 16 + 8);
+      const uint32_t z89 = *reinterpret_cast<const uint32_t*>(kzl + kt * 16 + 8);
+      uint32_t x01[4], x89[4];
+      uint32_t qa = qb[kt][0], qc = qb[kt][1];
+      if constexpr (FOLD) {  // codes * (q * scale) + zero . q (zc)
+        kivi_codes4<BITS>(kivi_unit2<BITS>(kk, 0, KROW), x01);
+        kivi_codes4<BITS>(kivi_unit2<BITS>(kk, 8 * KROW, 9 * KROW), x89);
+        qa = kivi_hmul2(qa, s01);
+        qc = kivi_hmul2(qc, s89);
+        kivi_mma<SD>(zc, z01, z01, z89, z89, qb[kt][0], qb[kt][1]);
+      } else {
+        kivi_deq4<SD, BITS>(kivi_unit2<BITS>(kk, 0, KROW), s01, z01, x01);
+        kivi_deq4<SD, BITS>(kivi_unit2<BITS>(kk, 8 * KROW, 9 * KROW), s89, z89, x89);
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        kivi_mma<SD>((kt & 1) ? sc2[mt] : sc[mt], x01[2 * mt], x01[2 * mt + 1], x89[2 * mt],
+                     x89[2 * mt + 1], qa, qc);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sc[i][j] += sc2[i][j];
+    // sc[mt][2 * hi + e]: token 4g + 2mt + hi (code position j = 2mt + hi), query head 2f + e.
+    // ---- online softmax over the block's 32 tokens (base 2) ----
+    float alpha[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float bm = KIVI_NEG_INF;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        if constexpr (FOLD) {  // zc[e] = zc[2 + e]: every row of its A operand is the zeros
+          sc[mt][e] = fmaf(sc[mt][e], qscale * float(1 << (24 - kivi_code_pos<BITS>(2 * mt))), zc[e] * qscale);
+          sc[mt][2 + e] = fmaf(sc[mt][2 + e], qscale * float(1 << (24 - kivi_code_pos<BITS>(2 * mt + 1))),
+                               zc[e] * qscale);
+        } else {
+          sc[mt][e] *= qscale;
+          sc[mt][2 + e] *= qscale;
+        }
+        bm = fmaxf(bm, fmaxf(sc[mt][e], sc[mt][2 + e]));
+      }
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) bm = fmaxf(bm, __shfl_xor_sync(KIVI_FULL, bm, o));
+      const float mn = fmaxf(m2[e], bm);
+      alpha[e] = exp2f(m2[e] - mn);
+      m2[e] = mn;
+      float p[4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        p[2 * mt] = exp2f(sc[mt][e] - mn);
+        p[2 * mt + 1] = exp2f(sc[mt][2 + e] - mn);
+      }
+      l2[e] = l2[e] * alpha[e] + ((p[0] + p[1]) + (p[2] + p[3]));
+      uint2 pk;
+      pk.x = kivi_pack2f<SD>(p[0], p[1]);
+      pk.y = kivi_pack2f<SD>(p[2], p[3]);
+      *reinterpret_cast<uint2*>(pt + (2 * f + e) * G + 4 * g) = pk;
+    }
+    // Rescale only when some head's running max moved (rare after the first blocks).
+    if (__any_sync(KIVI_FULL, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+      for (int i = 0; i < 2 * MP; ++i) {
+        oacc[i][0] *= alpha[0];
+        oacc[i][1] *= alpha[1];
+        oacc[i][2] *= alpha[0];
+        oacc[i][3] *= alpha[1];
+      }
+      zv[0] *= alpha[0];
+      zv[1] *= alpha[1];
+      zv[2] *= alpha[0];
+      zv[3] *= alpha[1];
+    }
+    __syncwarp();
+
+    // ---- V phase: tokens 8f + 4kt + {0,1} (k 2f, 2f+1) and + {2,3} (k 2f+8, 2f+9) ----
+    const uint4 pq = *reinterpret_cast<const uint4*>(pt + g * G + 8 * f);  // query head g
+    const SD* vsl = vs + 8 * f;
+    const SD* vzl = vz + 8 * f;
+    if constexpr (FOLD) {  // the zeros' term of every channel group at once (see zv)
+#pragma unroll
+      for (int kt = 0; kt < 2; ++kt) {
+        const uint32_t za = *reinterpret_cast<const uint32_t*>(vzl + (g % MP) * G + 4 * kt);
+        const uint32_t zb = *reinterpret_cast<const uint32_t*>(vzl + (g % MP) * G + 4 * kt + 2);
+        kivi_mma<SD>(zv, za, za, zb, zb, kt ? pq.z : pq.x, kt ? pq.w : pq.y);
+      }
+    }
+#pragma unroll
+    for (int mp = 0; mp < MP; ++mp) {
+      // unit: channels 32mp + 4g .. +3, in the swizzled chunk of rows 8f .. 8f+7
+      const int u0 = (mp * 8 + g) * UB;
+      const uint8_t* vl = vc + 8 * f * VROW + ((((u0 >> 4) ^ (f & (NCH - 1))) << 4) | (u0 & 15));
+#pragma unroll
+      for (int kt = 0; kt < 2; ++kt) {
+        const int ta = 4 * kt;  // token offset within the lane's rows 8f ..
+        const uint32_t sa = *reinterpret_cast<const uint32_t*>(vsl + mp * G + ta);
+        const uint32_t sb = *reinterpret_cast<const uint32_t*>(vsl + mp * G + ta + 2);
+        uint32_t xa[4], xb[4];
+        const uint32_t pb0 = kt ? pq.z : pq.x;
+        const uint32_t pb1 = kt ? pq.w : pq.y;
+        uint32_t pa = pb0, pc = pb1;
+        if constexpr (FOLD) {  // codes * (p * scale), the zeros' term in zv
+          kivi_codes4<BITS>(kivi_unit2<BITS>(vl, ta * VROW, (ta + 1) * VROW), xa);
+          kivi_codes4<BITS>(kivi_unit2<BITS>(vl, (ta + 2) * VROW, (ta + 3) * VROW), xb);
+          pa = kivi_hmul2(pa, sa);
+          pc = kivi_hmul2(pc, sb);
+        } else {
+          const uint32_t za = *reinterpret_cast<const uint32_t*>(vzl + mp * G + ta);
+          const uint32_t zb = *reinterpret_cast<const uint32_t*>(vzl + mp * G + ta + 2);
+          kivi_deq4<SD, BITS>(kivi_unit2<BITS>(vl, ta * VROW, (ta + 1) * VROW), sa, za, xa);
+          kivi_deq4<SD, BITS>(kivi_unit2<BITS>(vl, (ta + 2) * VROW, (ta + 3) * VROW), sb, zb, xb);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          kivi_mma<SD>(oacc[2 * mp + i], xa[2 * i], xa[2 * i + 1], xb[2 * i], xb[2 * i + 1], pa, pc);
+        }
+      }
+    }
+    __syncwarp();  // the next iteration's prefetch overwrites this stage, vs, vz, pt
+  }
+
+  // ---- (m, l, acc): oacc[2mp + i][2 * hi + e] = channel 32mp + 4g + 2i + hi, head 2f + e
+#pragma unroll
+  for (int e = 0; e < 2; ++e)
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) l2[e] += __shfl_xor_sync(KIVI_FULL, l2[e], o);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int r = 2 * f + e;
+    float zm[MP];  // FOLD: group mp's zeros' term of head r, from lane (mp, f)
+#pragma unroll
+    for (int mp = 0; mp < MP; ++mp) zm[mp] = FOLD ? __shfl_sync(KIVI_FULL, zv[e], mp * 4 + f) : 0.0f;
+    if (r < REP) {
+      if (g == 0) {
+        part_ml[(oi + r) * 2] = m2[e];
+        part_ml[(oi + r) * 2 + 1] = l2[e];
+      }
+      if (blk1 > blk0) {  // an empty split writes no acc; the merge never reads it
+#pragma unroll
+        for (int mp = 0; mp < MP; ++mp) {
+          float4 o = make_float4(oacc[2 * mp][e], oacc[2 * mp][2 + e], oacc[2 * mp + 1][e],
+                                 oacc[2 * mp + 1][2 + e]);  // code positions j = 0, 1, 2, 3
+          if constexpr (FOLD) {
+            o.x = fmaf(o.x, float(1 << (24 - kivi_code_pos<BITS>(0))), zm[mp]);
+            o.y = fmaf(o.y, float(1 << (24 - kivi_code_pos<BITS>(1))), zm[mp]);
+            o.z = fmaf(o.z, float(1 << (24 - kivi_code_pos<BITS>(2))), zm[mp]);
+            o.w = fmaf(o.w, float(1 << (24 - kivi_code_pos<BITS>(3))), zm[mp]);
+          }
+          *reinterpret_cast<float4*>(part_acc + (oi + r) * D + mp * 32 + 4 * g) = o;
+        }
+      }
+    }
+  }

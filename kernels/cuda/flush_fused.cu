@@ -1,0 +1,35 @@
+// The fused in-place flush (kivi_flush_fused), what flush_layers runs on CUDA.
+// Inputs: the layer's eight pool arrays, slots int32 [F] (the flushing slots), ids int32
+// [F * k] (their new blocks, k per slot, slot by slot), params int32 [T, H_kv, k]
+// (T = R + k*G, the tail rows). One thread block per (slot f, kv head h), one thread per
+// channel d: block blk of the slot is its tail rows blk*G .. blk*G + G - 1, written at
+// block ids[f * k + blk]; then, after a barrier (the value groups read other threads'
+// channels), the tails move down by k*G rows (kivi_shift_tails). Output: `done`, one
+// int32 nobody reads; evaluating it runs the launch.
+// The pool is written through its input pointers: MLX hands a kernel its inputs as
+// const pointers to the arrays' own buffers (no copy: the pool arrays are whole and
+// row-contiguous, and ensure_row_contiguous is off so MLX never substitutes a copy).
+// The writes are invisible to MLX's graph, so the caller (kernels.cuda_flush.flush_layers)
+// owns the ordering: every computation that reads the pool must already be evaluated or
+// enqueued (same stream, earlier graph) and nothing reads the pool in the flush's own
+// evaluation. One launch per layer instead of a quantize launch plus eight scatters
+// (~290 graph nodes a flush step at 36 layers, most of the host time a flush added).
+  const int RG = params[0];
+  const int H_kv = params[1];
+  const int K = params[2];
+  const int f = blockIdx.x / H_kv, h = blockIdx.x % H_kv;
+  const int d = threadIdx.x;
+  const size_t slot_rows = ((size_t)slots[f] * H_kv + h) * RG * D;
+  SD* tk = const_cast<SD*>(tail_k) + slot_rows;
+  SD* tv = const_cast<SD*>(tail_v) + slot_rows;
+  for (int blk = 0; blk < K; ++blk) {
+    kivi_flush_block<SD, D, G, BITS>(tk + (size_t)blk * G * D, tv + (size_t)blk * G * D,
+                                     ids[f * K + blk] * H_kv + h, d,
+                                     const_cast<uint8_t*>(k_codes), const_cast<SD*>(k_scales),
+                                     const_cast<SD*>(k_zeros), const_cast<uint8_t*>(v_codes),
+                                     const_cast<SD*>(v_scales), const_cast<SD*>(v_zeros));
+  }
+  __syncthreads();
+  // 16 rows per chunk: <= k*G for every G >= 16 (see kivi_shift_tails).
+  kivi_shift_tails<SD, D, 16>(tk, tv, RG, K * G, d);
+  if (blockIdx.x == 0 && d == 0) done[0] = 0;

@@ -1,0 +1,544 @@
+// Device helpers of the KIVI CUDA kernels, prefixed kivi_ / KIVI_ (outside MLX's namespace).
+//
+// Each kernel gets only the items its source reaches (kernels.cuda_source.kernel_header),
+// comments and indentation stripped. The grammar that pruning relies on: every top-level
+// item is a preprocessor line (with backslash continuations) or a declaration /
+// definition ending at a `;` or `}` at brace depth 0; an item defines the first kivi_* /
+// KIVI_* name it mentions; `//` only ever starts a comment.
+#define KIVI_NEG_INF (__int_as_float(0xff800000))
+#define KIVI_FULL 0xffffffffu
+
+// Indices shared by both split kernels (grid: x = splits in groups of NW warps,
+// y = kv head, z = sequence; params = [max blocks, blocks per split, quantized splits,
+// R + G, tail splits]). Splits 0 .. nsplit-1 read quantized blocks; split nsplit + j
+// reads tail rows j * KIVI_TAIL_ROWS .. + KIVI_TAIL_ROWS - 1.
+#define KIVI_TAIL_ROWS 32
+#define KIVI_SPLIT_INDICES                          \
+  const int lane = threadIdx.x & 31;                \
+  const int warp = threadIdx.x >> 5;                \
+  const int h = blockIdx.y;                         \
+  const int b = blockIdx.z;                         \
+  const int H_kv = gridDim.y;                       \
+  const int mbs = params[0];                        \
+  const int bps = params[1];                        \
+  const int nsplit = params[2];                     \
+  const int RG = params[3];                         \
+  const int nsu = nsplit + params[4];               \
+  const int split = blockIdx.x * NW + warp;
+
+// The tail chunk of split `split` (>= nsplit): rows row0 .. row0 + rows - 1 of slot
+// slots[b]'s tail, and nr, the chunk's row holding this step's new token (-1 if none
+// or if params[5] is 0: the token is already in the tail). With params[5] = 1 the
+// tail's last row (tail_lens[b] - 1) is read from k_new / v_new [B, H_kv, D] and
+// written into the tail by the one warp whose chunk holds it: the engine's decode
+// step then needs no scatter per layer (two graph nodes) for its tail write.
+#define KIVI_TAIL_CHUNK                                                           \
+  const int tl_all = min(tail_lens[b], RG);                                       \
+  const int row0 = (split - nsplit) * KIVI_TAIL_ROWS;                             \
+  const int rows = max(0, min(tl_all - row0, KIVI_TAIL_ROWS));                    \
+  const size_t base = (((size_t)slots[b] * H_kv + h) * RG + row0) * D;            \
+  const int nr_at = tl_all - 1 - row0;                                            \
+  const int nr = (params[5] != 0 && nr_at >= 0 && nr_at < rows) ? nr_at : -1;     \
+  const size_t kv = ((size_t)b * H_kv + h) * D;
+
+__device__ __forceinline__ float kivi_f(float x) { return x; }
+__device__ __forceinline__ float kivi_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float kivi_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T kivi_from_f(float x);
+template <> __device__ __forceinline__ float kivi_from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half kivi_from_f<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 kivi_from_f<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// 8 consecutive codes (BITS bytes, aligned to BITS bytes by the layout) as two words.
+template <int BITS>
+__device__ __forceinline__ void kivi_load8(const uint8_t* p, uint32_t& lo, uint32_t& hi) {
+  if constexpr (BITS == 2) {
+    lo = __ldg(reinterpret_cast<const unsigned short*>(p));
+    hi = 0u;
+  } else if constexpr (BITS == 4) {
+    lo = __ldg(reinterpret_cast<const unsigned int*>(p));
+    hi = 0u;
+  } else {
+    const uint2 w = __ldg(reinterpret_cast<const uint2*>(p));
+    lo = w.x;
+    hi = w.y;
+  }
+}
+
+// Code j (0..7) of kivi_load8's words as an exact float, without an int->float
+// conversion: the code's bits are or-ed into the mantissa of 2^(23-p) (p = its bit
+// position, kept <= 23 - BITS by a 16-bit shift), then 2^(23-p) is subtracted.
+template <int BITS>
+__device__ __forceinline__ float kivi_code(uint32_t lo, uint32_t hi, int j) {
+  const int wb = j * BITS;
+  const int o = wb & 31;
+  uint32_t w = (wb >= 32) ? hi : lo;
+  const bool shift = o + BITS > 23;
+  const int p = shift ? o - 16 : o;
+  if (shift) w >>= 16;
+  const uint32_t mask = ((1u << BITS) - 1u) << p;
+  const uint32_t magic = uint32_t(150 - p) << 23;
+  return __uint_as_float((w & mask) | magic) - __uint_as_float(magic);
+}
+
+// One fp16/bf16 value from its 16 bits (exact).
+template <typename SD> __device__ __forceinline__ float kivi_bits_f(uint32_t bits);
+template <> __device__ __forceinline__ float kivi_bits_f<__half>(uint32_t bits) {
+  return __half2float(__ushort_as_half((unsigned short)bits));
+}
+template <> __device__ __forceinline__ float kivi_bits_f<__nv_bfloat16>(uint32_t bits) {
+  return __uint_as_float(bits << 16);
+}
+
+// 8 fp16/bf16 values packed in 16 bytes, as floats.
+template <typename SD>
+__device__ __forceinline__ void kivi_unpack8f(const uint4 u, float* x) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    x[2 * k] = kivi_bits_f<SD>(w[k] & 0xffffu);
+    x[2 * k + 1] = kivi_bits_f<SD>(w[k] >> 16);
+  }
+}
+
+// 8 consecutive fp16/bf16 values (16 bytes, aligned) as floats.
+template <typename SD>
+__device__ __forceinline__ void kivi_load8f(const SD* p, float* x) {
+  kivi_unpack8f<SD>(__ldg(reinterpret_cast<const uint4*>(p)), x);
+}
+
+__device__ __forceinline__ uint4 kivi_ld16(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+__device__ __forceinline__ float kivi_warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(KIVI_FULL, x, o));
+  return x;
+}
+
+__device__ __forceinline__ float kivi_warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(KIVI_FULL, x, o);
+  return x;
+}
+
+// The quantization contract of kernels.kivi_quant for one group, given its min/max.
+template <typename SD, int BITS>
+__device__ __forceinline__ void kivi_group_params(float mn, float mx, SD& zero, SD& scale,
+                                                  float& zf, float& sf) {
+  zero = kivi_from_f<SD>(mn);
+  scale = kivi_from_f<SD>(__fdiv_rn(__fsub_rn(mx, mn), float((1 << BITS) - 1)));
+  zf = kivi_f(zero);
+  sf = kivi_f(scale);
+}
+
+template <int BITS>
+__device__ __forceinline__ uint32_t kivi_quantize(float x, float zf, float sf) {
+  if (sf == 0.0f) return 0u;
+  float q = rintf(__fdiv_rn(__fsub_rn(x, zf), sf));
+  q = fminf(fmaxf(q, 0.0f), float((1 << BITS) - 1));
+  return uint32_t(q);
+}
+
+// One new block of one kv head, thread d of D: the key group of channel d (the G
+// rows of rk) and the value group d (token d / NG, channel group d % NG of the rows
+// of rv), written at output index fh (= new block * H_kv + kv head). Shared by both
+// flush kernels, so they quantize alike by construction.
+template <typename SD, int D, int G, int BITS>
+__device__ __forceinline__ void kivi_flush_block(const SD* rk, const SD* rv, int fh, int d,
+                                                 uint8_t* k_codes, SD* k_scales, SD* k_zeros,
+                                                 uint8_t* v_codes, SD* v_scales, SD* v_zeros) {
+  constexpr int P = 8 / BITS;
+  constexpr int NG = D / G;
+  constexpr int CPW = 32 / BITS;   // codes per 32-bit word
+  constexpr int VW = G * (int)sizeof(SD) / 16;  // 16-byte words of one value group
+  // Every load first (G key rows of channel d, one value group), then the math from
+  // registers: walking the rows with each load feeding the next min/max kept one load
+  // in flight per thread (~89 us per layer at one flushing slot).
+  const int t = d / NG;  // the value group: token d / NG, channels (d % NG) * G .. + G
+  const int gi = d % NG;
+  SD xk[G];
+  uint4 xv_raw[VW];
+#pragma unroll
+  for (int r = 0; r < G; ++r) xk[r] = rk[(size_t)r * D + d];
+  const uint4* src_v = reinterpret_cast<const uint4*>(rv + (size_t)t * D + gi * G);
+#pragma unroll
+  for (int i = 0; i < VW; ++i) xv_raw[i] = src_v[i];
+  const SD* xv = reinterpret_cast<const SD*>(xv_raw);
+  {
+    // Keys: channel d over the G oldest tokens.
+    float mn = kivi_f(xk[0]), mx = mn;
+#pragma unroll
+    for (int r = 1; r < G; ++r) {
+      const float v = kivi_f(xk[r]);
+      mn = fminf(mn, v);
+      mx = fmaxf(mx, v);
+    }
+    SD zero, scale;
+    float zf, sf;
+    kivi_group_params<SD, BITS>(mn, mx, zero, scale, zf, sf);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(k_codes + ((size_t)fh * D + d) * (G / P));
+#pragma unroll
+    for (int w = 0; w < G / CPW; ++w) {
+      uint32_t word = 0u;
+#pragma unroll
+      for (int j = 0; j < CPW; ++j) word |= kivi_quantize<BITS>(kivi_f(xk[w * CPW + j]), zf, sf) << (j * BITS);
+      dst[w] = word;
+    }
+    k_scales[(size_t)fh * D + d] = scale;
+    k_zeros[(size_t)fh * D + d] = zero;
+  }
+  {
+    // Values: token t, channels gi * G .. + G.
+    float mn = kivi_f(xv[0]), mx = mn;
+#pragma unroll
+    for (int c = 1; c < G; ++c) {
+      const float v = kivi_f(xv[c]);
+      mn = fminf(mn, v);
+      mx = fmaxf(mx, v);
+    }
+    SD zero, scale;
+    float zf, sf;
+    kivi_group_params<SD, BITS>(mn, mx, zero, scale, zf, sf);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(
+        v_codes + ((size_t)fh * G + t) * (D / P) + gi * (G / P));
+#pragma unroll
+    for (int w = 0; w < G / CPW; ++w) {
+      uint32_t word = 0u;
+#pragma unroll
+      for (int j = 0; j < CPW; ++j) word |= kivi_quantize<BITS>(kivi_f(xv[w * CPW + j]), zf, sf) << (j * BITS);
+      dst[w] = word;
+    }
+    v_scales[(size_t)fh * D + d] = scale;
+    v_zeros[(size_t)fh * D + d] = zero;
+  }
+}
+
+// A tail of rg rows (channel d of it, this thread's) moved down by `from` rows in
+// place, zeros after the kept rows. Rows go up in chunks of SR, a chunk's loads before
+// its stores: with SR <= from a store only lands on rows this thread has already read,
+// so one thread per channel needs no barrier, and SR loads per tail are in flight.
+template <typename SD, int D, int SR>
+__device__ __forceinline__ void kivi_shift_tails(SD* tk, SD* tv, int rg, int from, int d) {
+  for (int i0 = 0; i0 < rg; i0 += SR) {
+    SD ks[SR], vs[SR];
+#pragma unroll
+    for (int r = 0; r < SR; ++r) {
+      const int i = i0 + r + from;
+      ks[r] = i < rg ? tk[(size_t)i * D + d] : kivi_from_f<SD>(0.0f);
+      vs[r] = i < rg ? tv[(size_t)i * D + d] : kivi_from_f<SD>(0.0f);
+    }
+#pragma unroll
+    for (int r = 0; r < SR; ++r) {
+      if (i0 + r < rg) {
+        tk[(size_t)(i0 + r) * D + d] = ks[r];
+        tv[(size_t)(i0 + r) * D + d] = vs[r];
+      }
+    }
+  }
+}
+
+// Rows 0 .. tl-1 (tl <= 32) of an fp16/bf16 tail (tk / tv, rows of D) folded into a
+// warp's running (m, l, acc): scores with lane = tail row, then lane = (token offset,
+// 8 channels) for the values. pw: this warp's [REP][PS] floats. Loads are issued in
+// batches of 4 x 16 bytes: one warp walking rows one dependent load at a time was the
+// latency of a whole B = 1 call when the tail was one split (measured).
+// nr >= 0: row nr of this chunk is the step's new token, read from kn / vn (the
+// model's k and v) instead of the tail, and written into the tail here for the next
+// steps (no other warp reads that row in this step: see KIVI_TAIL_CHUNK).
+template <typename SD, int D, int REP, int PS>
+__device__ __forceinline__ void kivi_tail_attend(const float* qs, float* pw, const SD* tk,
+                                                 const SD* tv, int tl, int nr, const SD* kn,
+                                                 const SD* vn, int lane,
+                                                 float (&m)[REP], float (&l)[REP],
+                                                 float (&acc)[REP][8]) {
+  constexpr int LR = D / 8;
+  constexpr int TPI = 32 / LR;
+  constexpr int KB = (D / 8 < 4) ? D / 8 : 4;  // 16-byte loads in flight per lane
+  const int cc = lane % LR;
+  const int to = lane / LR;
+  const int n = tl;  // warp-uniform, <= 32
+  const bool valid = lane < n;
+  float s[REP];
+#pragma unroll
+  for (int r = 0; r < REP; ++r) s[r] = 0.0f;
+  if (nr >= 0) {  // the new token into the tail, 16 bytes per lane (kn, vn: D apart)
+    for (int i = lane; i < D / 8; i += 32) {
+      *reinterpret_cast<uint4*>(const_cast<SD*>(tk) + (size_t)nr * D + 8 * i) = kivi_ld16(kn + 8 * i);
+      *reinterpret_cast<uint4*>(const_cast<SD*>(tv) + (size_t)nr * D + 8 * i) = kivi_ld16(vn + 8 * i);
+    }
+  }
+  if (valid) {
+    const SD* row = lane == nr ? kn : tk + (size_t)lane * D;
+#pragma unroll 1
+    for (int d0 = 0; d0 < D; d0 += 8 * KB) {
+      uint4 raw[KB];
+#pragma unroll
+      for (int i = 0; i < KB; ++i) raw[i] = kivi_ld16(row + d0 + 8 * i);
+#pragma unroll
+      for (int i = 0; i < KB; ++i) {
+        float x[8];
+        kivi_unpack8f<SD>(raw[i], x);
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int r = 0; r < REP; ++r) s[r] = fmaf(qs[(d0 + 8 * i + j) * REP + r], x[j], s[r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < REP; ++r) {
+    const float mx = fmaxf(m[r], kivi_warp_max(valid ? s[r] : KIVI_NEG_INF));
+    const float alpha = (mx == KIVI_NEG_INF) ? 1.0f : exp2f(m[r] - mx);  // n = 0: no row
+    m[r] = mx;
+    l[r] *= alpha;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[r][j] *= alpha;
+    const float p = valid ? exp2f(s[r] - mx) : 0.0f;
+    l[r] += p;
+    pw[r * PS + lane] = p;
+  }
+  __syncwarp();
+#pragma unroll 1
+  for (int t0 = to; t0 < n; t0 += KB * TPI) {
+    uint4 raw[KB];
+#pragma unroll
+    for (int i = 0; i < KB; ++i) {
+      const int t = t0 + i * TPI;
+      raw[i] = t < n ? kivi_ld16((t == nr ? vn : tv + (size_t)t * D) + cc * 8) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int i = 0; i < KB; ++i) {
+      const int t = t0 + i * TPI;
+      if (t < n) {
+        float x[8];
+        kivi_unpack8f<SD>(raw[i], x);
+#pragma unroll
+        for (int r = 0; r < REP; ++r) {
+          const float pr = pw[r * PS + t];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[r][j] = fmaf(pr, x[j], acc[r][j]);
+        }
+      }
+    }
+  }
+  __syncwarp();
+}
+
+// A warp's (m, l, acc) per query head -> part_ml / part_acc at row oi (split-major).
+// acc layout: lane = (token offset, channel group cc); summed over token offsets here.
+template <int D, int REP>
+__device__ __forceinline__ void kivi_write_part(const float (&m)[REP], float (&l)[REP],
+                                                float (&acc)[REP][8], int lane,
+                                                float* part_acc, float* part_ml, size_t oi) {
+  constexpr int LR = D / 8;
+  const int cc = lane % LR;
+#pragma unroll
+  for (int r = 0; r < REP; ++r) {
+    l[r] = kivi_warp_sum(l[r]);
+#pragma unroll
+    for (int o = LR; o < 32; o <<= 1)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[r][j] += __shfl_xor_sync(KIVI_FULL, acc[r][j], o);
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < REP; ++r) {
+      part_ml[(oi + r) * 2] = m[r];
+      part_ml[(oi + r) * 2 + 1] = l[r];
+    }
+  }
+  // An empty split (m = -inf) writes no acc; the merge never reads it.
+  if (lane < LR && m[0] != KIVI_NEG_INF) {
+#pragma unroll
+    for (int r = 0; r < REP; ++r) {
+      float4* dst = reinterpret_cast<float4*>(part_acc + (oi + r) * D + cc * 8);
+      dst[0] = make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+      dst[1] = make_float4(acc[r][4], acc[r][5], acc[r][6], acc[r][7]);
+    }
+  }
+}
+
+// ---- tensor-core helpers (the MMA split kernel) -----------------------------------
+template <typename A, typename B> struct kivi_same { static constexpr bool value = false; };
+template <typename A> struct kivi_same<A, A> { static constexpr bool value = true; };
+
+// Two storage-dtype values packed in 32 bits, low half first (MMA operand registers).
+template <typename SD> __device__ __forceinline__ uint32_t kivi_pack2f(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t kivi_pack2f<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t kivi_pack2f<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// (w & MASK) | MAGIC as one LOP3 (ptxas emitted an AND and an OR for the plain C++:
+// ncu counted 2 LOP3 per dequantized pair).
+template <uint32_t MASK, uint32_t MAGIC>
+__device__ __forceinline__ uint32_t kivi_and_or(uint32_t w) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(MASK), "r"(MAGIC));
+  return r;
+}
+
+// The code at bit O (BITS wide) of each 16-bit half of w, dequantized as
+// (code * scale + zero) in SD with one rounding (packed FMA; s2 / z2 hold the two
+// halves' scale and zero). The code becomes an exact SD number by or-ing it into the
+// mantissa of the power of two 2^E whose ulp is 2^-O (E = 10 - O in fp16, 7 - O in
+// bf16), so that bit O weighs 1, and subtracting 2^E: no shift as long as the code
+// stays inside the mantissa (O + BITS <= 10 / 7).
+template <typename SD, int BITS, int O>
+__device__ __forceinline__ uint32_t kivi_deq_at(uint32_t w, uint32_t s2, uint32_t z2) {
+  constexpr bool F16 = kivi_same<SD, __half>::value;
+  constexpr int E = (F16 ? 10 : 7) - O;
+  static_assert(E >= 0 && O + BITS <= (F16 ? 10 : 7), "code outside the mantissa");
+  constexpr uint32_t M = ((1u << BITS) - 1u) << O;
+  constexpr uint32_t H = F16 ? uint32_t(15 + E) << 10 : uint32_t(127 + E) << 7;  // 2^E
+  constexpr uint32_t magic = H * 0x00010001u;  // 2^E in both halves
+  uint32_t t = kivi_and_or<M * 0x00010001u, magic>(w);
+  if constexpr (F16) {
+    __half2 x = __hsub2(*reinterpret_cast<__half2*>(&t), *reinterpret_cast<const __half2*>(&magic));
+    x = __hfma2(x, *reinterpret_cast<const __half2*>(&s2), *reinterpret_cast<const __half2*>(&z2));
+    return *reinterpret_cast<uint32_t*>(&x);
+  } else {
+    __nv_bfloat162 x = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&t),
+                               *reinterpret_cast<const __nv_bfloat162*>(&magic));
+    x = __hfma2(x, *reinterpret_cast<const __nv_bfloat162*>(&s2),
+                *reinterpret_cast<const __nv_bfloat162*>(&z2));
+    return *reinterpret_cast<uint32_t*>(&x);
+  }
+}
+
+// Codes j = 0..3 of each 16-bit half of w (4 * BITS bits per half, code j at bit
+// j * BITS), dequantized as pairs x[j]. Shifts only where a code would leave the
+// mantissa: fp16 4-bit one shift per word, fp16 2-bit none, bf16 4-bit three, bf16
+// 2-bit one (the per-code shift + and + or was 2-3 instructions per pair).
+template <typename SD, int BITS>
+__device__ __forceinline__ void kivi_deq4(uint32_t w, uint32_t s2, uint32_t z2, uint32_t (&x)[4]) {
+  constexpr bool F16 = kivi_same<SD, __half>::value;
+  if constexpr (BITS == 2 && F16) {
+    x[0] = kivi_deq_at<SD, 2, 0>(w, s2, z2);
+    x[1] = kivi_deq_at<SD, 2, 2>(w, s2, z2);
+    x[2] = kivi_deq_at<SD, 2, 4>(w, s2, z2);
+    x[3] = kivi_deq_at<SD, 2, 6>(w, s2, z2);
+  } else if constexpr (BITS == 2) {
+    x[0] = kivi_deq_at<SD, 2, 0>(w, s2, z2);
+    x[1] = kivi_deq_at<SD, 2, 2>(w, s2, z2);
+    x[2] = kivi_deq_at<SD, 2, 4>(w, s2, z2);
+    x[3] = kivi_deq_at<SD, 2, 2>(w >> 4, s2, z2);
+  } else if constexpr (F16) {
+    const uint32_t w8 = w >> 8;
+    x[0] = kivi_deq_at<SD, 4, 0>(w, s2, z2);
+    x[1] = kivi_deq_at<SD, 4, 4>(w, s2, z2);
+    x[2] = kivi_deq_at<SD, 4, 0>(w8, s2, z2);
+    x[3] = kivi_deq_at<SD, 4, 4>(w8, s2, z2);
+  } else {
+    x[0] = kivi_deq_at<SD, 4, 0>(w, s2, z2);
+    x[1] = kivi_deq_at<SD, 4, 0>(w >> 4, s2, z2);
+    x[2] = kivi_deq_at<SD, 4, 0>(w >> 8, s2, z2);
+    x[3] = kivi_deq_at<SD, 4, 0>(w >> 12, s2, z2);
+  }
+}
+
+// Two 4-code units (4 * BITS bits each; byte offsets a and b of p) in the two halves.
+template <int BITS>
+__device__ __forceinline__ uint32_t kivi_unit2(const uint8_t* p, int a, int b) {
+  if constexpr (BITS == 4) {
+    return uint32_t(*reinterpret_cast<const unsigned short*>(p + a)) |
+           (uint32_t(*reinterpret_cast<const unsigned short*>(p + b)) << 16);
+  } else {
+    return uint32_t(p[a]) | (uint32_t(p[b]) << 16);
+  }
+}
+
+// FOLD (fp16 pools): the scale moves onto the other MMA operand and the zero into a
+// separate MMA, so a code pair costs one AND. Code j of each 16-bit half of w stays at
+// its bit position O_j (kivi_code_pos) with a zero exponent field: the fp16 subnormal
+// code * 2^(O_j - 24), exact; the caller multiplies the sums by 2^(24 - O_j).
+template <int BITS> __device__ __forceinline__ constexpr int kivi_code_pos(int j) {
+  return BITS == 2 ? 2 * j : 4 * (j & 1);
+}
+template <int BITS>
+__device__ __forceinline__ void kivi_codes4(uint32_t w, uint32_t (&x)[4]) {
+  constexpr uint32_t M = ((1u << BITS) - 1u) * 0x00010001u;
+  if constexpr (BITS == 2) {
+    x[0] = w & M;
+    x[1] = w & (M << 2);
+    x[2] = w & (M << 4);
+    x[3] = w & (M << 6);
+  } else {
+    const uint32_t w8 = w >> 8;
+    x[0] = w & M;
+    x[1] = w & (M << 4);
+    x[2] = w8 & M;
+    x[3] = w8 & (M << 4);
+  }
+}
+
+// Two fp16 products, rounded once each (the folded operand: q * scale, p * scale).
+__device__ __forceinline__ uint32_t kivi_hmul2(uint32_t a, uint32_t b) {
+  __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+// Asynchronous 16-byte global -> shared copies (sm_80+), grouped per staged block.
+__device__ __forceinline__ void kivi_cp16(void* smem, const void* gmem) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void kivi_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void kivi_cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Stage one (block, kv head) tile into dst: [k codes][v codes][k scales][k zeros]
+// [v scales][v zeros], all contiguous in global memory per tile.
+template <typename SD, int D, int KTILE, int VTILE>
+__device__ __forceinline__ void kivi_stage_tile(uint8_t* dst, int lane, size_t tile,
+                                                const uint8_t* k_codes, const uint8_t* v_codes,
+                                                const SD* k_scales, const SD* k_zeros,
+                                                const SD* v_scales, const SD* v_zeros) {
+  constexpr int SC = D / 8;  // 16-byte chunks of one scale or zero array (D values)
+  const uint8_t* kc = k_codes + tile * KTILE;
+  const uint8_t* vc = v_codes + tile * VTILE;
+  for (int i = lane; i < KTILE / 16; i += 32) kivi_cp16(dst + i * 16, kc + i * 16);
+  // Value rows are stored swizzled: chunk c of token row t goes to chunk c ^ ((t / 8) %
+  // NCH), so the V phase's lanes (rows 8f + ..) hit different banks (a 4-way conflict
+  // at 4 bits otherwise).
+  constexpr int NCH = (VTILE / 32) / 16;  // 16-byte chunks per token row (G = 32 rows)
+  for (int i = lane; i < VTILE / 16; i += 32) {
+    const int t = i / NCH, c = i % NCH;
+    kivi_cp16(dst + KTILE + (t * NCH + (c ^ ((t >> 3) & (NCH - 1)))) * 16, vc + i * 16);
+  }
+  for (int i = lane; i < 4 * SC; i += 32) {
+    const int a = i / SC, c = i % SC;
+    const SD* src = (a == 0 ? k_scales : a == 1 ? k_zeros : a == 2 ? v_scales : v_zeros);
+    kivi_cp16(dst + KTILE + VTILE + a * (D * 2) + c * 16, src + tile * D + c * 8);
+  }
+  kivi_cp_commit();
+}
+
+// c += A * B on the tensor cores: m16n8k16, SD inputs, float32 accumulation.
+template <typename SD>
+__device__ __forceinline__ void kivi_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  if constexpr (kivi_same<SD, __half>::value) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}

@@ -1,0 +1,176 @@
+"""KIVI decode attention on CUDA: two launches per layer for all sequences.
+
+Same contract as `kernels.kivi_reference.decode_attention`; storage layout in
+`kernels.layout`, the split-K plan in `kernels.launch`, kernel sources in
+kernels/cuda/. The kernels are built once at import and are None where MLX has no
+CUDA backend.
+
+1. A split kernel, one warp per (sequence b, kv head h, split s), chosen by the call's
+   layout, not by a switch:
+   a. `kivi_attend_split_mma` (attend_split_mma.cu) wherever `mma_supports`: bits 2/4,
+      G = 32, D 64/128. Tensor cores: a warp double-buffers its blocks in shared
+      memory with cp.async, dequantizes K and V to the pool dtype in registers (the
+      code or-ed into the mantissa of a power of two, that constant subtracted, one
+      packed FMA with scale and zero: `kivi_deq4`) straight into m16n8k16 fragments,
+      float32 accumulation, online softmax in base 2. fp16 pools take its FOLD path
+      (`fold_applies`): scales folded into q and p, zeros in two small MMAs, a code
+      pair one AND; ~23% fewer instructions per tile, 1.09-1.15x faster at B >= 32.
+   b. `kivi_attend_split` (attend_split.cu) for the rest: 8-bit, G != 32, D 32/256.
+      CUDA cores, float32 throughout; 4 warps per thread block share (b, h) and stage
+      its query rows once; a warp step covers 256 tokens.
+   Both: splits 0..S-1 cut the sequence's quantized blocks into chunks (split-K);
+   splits S, S+1, ... are the fp16 tail in chunks of TAIL_ROWS rows, on the CUDA
+   cores. Every warp computes all H_q / H_kv query heads of its kv head, so the codes
+   are read once per group, and writes (m, l, acc) per query head. Only real positions
+   are read: block ids up to num_blocks, tail rows up to tail_len. No mask, no
+   padding, no fp16 K/V in global memory.
+2. `kivi_attend_merge` (attend_merge.cu): one thread block per (b, query head), exact
+   log-sum-exp merge of the splits, output cast to q's dtype.
+
+A decode step builds the launches once for all layers (`AttendPlan`); each layer then
+only launches. The plan may also take the step's new token and have the tail split
+that holds its row write it into the pool (KIVI_TAIL_CHUNK in kivi.cuh): the engine
+then builds no scatter per layer.
+
+Numerics (vs the float32 reference; tests/test_kernels_gpu.py states the contracts):
+  * CUDA-core kernel: `q * scale + zero` contracted to one FMA, softmax in base 2 with
+    log2(e) folded into the query scale, sums in another order: about 1e-6 relative
+    before the final cast.
+  * MMA kernel: K_hat, V_hat rounded once to the pool dtype, q rounded to it for the
+    dot products and p for the value sum, float32 sums. Its FOLD path never rounds
+    K_hat or V_hat; it rounds q * scale and p * scale to fp16 instead.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from kiviq.kernels.cuda_source import cuda_kernel
+from kiviq.kernels.launch import (
+    MMA_STEP_TOKENS,
+    POOL_NAMES,
+    STEP_TOKENS,
+    attend_launch,
+    attend_templates,
+    const,
+    const_values,
+    packed_views,
+)
+from kiviq.kernels.layout import KiviPool
+
+ATTEND_INPUTS = ["q", *POOL_NAMES, "block_tables", "num_blocks", "slots", "tail_lens",
+                 "params", "qscale_in", "k_new", "v_new"]
+ATTEND_OUTPUTS = ["part_acc", "part_ml"]
+MERGE_INPUTS = ["part_acc", "part_ml", "params"]
+MERGE_WARPS = 16  # most warps of a merge block (its shared memory is sized for them)
+
+ATTEND_KERNEL = cuda_kernel("attend_split.cu", name="kivi_attend_split", input_names=ATTEND_INPUTS,
+                            output_names=ATTEND_OUTPUTS)
+ATTEND_MMA_KERNEL = cuda_kernel("attend_split_mma.cu", name="kivi_attend_split_mma",
+                                input_names=ATTEND_INPUTS, output_names=ATTEND_OUTPUTS)
+MERGE_KERNEL = cuda_kernel("attend_merge.cu", name="kivi_attend_merge", input_names=MERGE_INPUTS,
+                           output_names=["out"])
+
+
+def mma_supports(q_shape, pool: KiviPool, bits: int, group_size: int) -> str | None:
+    """None when the tensor-core split kernel handles this call (on top of
+    `kernels.launch.supports`), else why not; the CUDA-core kernel covers the rest."""
+    d = q_shape[-1]
+    if bits not in (2, 4) or group_size != 32 or d not in (64, 128):
+        return f"bits={bits}, G={group_size}, D={d} (MMA kernel: bits 2/4, G=32, D 64/128)"
+    return None
+
+
+def fold_applies(pool: KiviPool) -> bool:
+    """Whether the MMA kernel takes its FOLD path for this pool: fp16 pools (a bf16 code
+    as a subnormal would underflow float32 products; attend_split_mma.cu)."""
+    return pool.k_scales.dtype == mx.float16
+
+
+def device_meta(meta: list, params_new: mx.array) -> tuple[list, list]:
+    """`meta` and its new-token twin as views of one device array (`packed_views`);
+    the query scale four times over: 16 bytes, past MLX's pool of <= 8-byte arrays."""
+    block_tables, num_blocks, slots, tail_lens, params, qscale = meta
+    views = packed_views([block_tables, num_blocks, slots, tail_lens, params, params_new])
+    scales = mx.concatenate([qscale] * 4)
+    return views[:5] + [scales], views[:4] + [views[5], scales]
+
+
+def merge_warps(num_splits: int) -> int:
+    """Warps per merge block: about 8 splits per warp, 1 .. MERGE_WARPS."""
+    return max(1, min(MERGE_WARPS, -(-num_splits // 8)))
+
+
+class AttendPlan:
+    """The launches of one decode step's attention, for every layer of a model.
+
+    Built once per step from the shapes and the step's small int arrays (block
+    tables, lengths: the same in every layer); calling it with a layer's q and pool
+    only launches the split kernel and the merge (~45 us of Python per layer saved).
+    `q_shape` is [B, H_q, D] or the model's [B, H_q, 1, D] (the same memory): the
+    output has that shape.
+    """
+
+    __slots__ = ("split", "split_kw", "merge_kw", "meta", "meta_new", "params")
+
+    def __init__(self, q_shape, q_dtype, pool: KiviPool, block_tables, num_blocks, slots,
+                 tail_lens, *, scale: float, bits: int, group_size: int):
+        out_shape = tuple(q_shape)
+        q_shape = (q_shape[0], q_shape[1], q_shape[-1])
+        b, h_q, d = q_shape
+        mma = mma_supports(q_shape, pool, bits, group_size) is None
+        meta, self.split_kw, nsu, rep = attend_launch(
+            q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, scale=scale,
+            bits=bits, group_size=group_size, step_tokens=MMA_STEP_TOKENS if mma else STEP_TOKENS)
+        # The same launch with params[5] = 1: the new token comes with the call.
+        params_new = const(const_values(meta[4])[:5] + (1,), mx.int32)
+        self.meta, self.meta_new = device_meta(meta, params_new)
+        self.params = self.meta[4]
+        template, merge_template = attend_templates(q_dtype, pool, bits=bits,
+                                                    group_size=group_size, rep=rep)
+        if mma:
+            self.split = ATTEND_MMA_KERNEL
+            template = template + [("FOLD", int(fold_applies(pool)))]
+        else:
+            self.split = ATTEND_KERNEL
+        self.split_kw["template"] = template
+        mw = merge_warps(nsu)
+        self.merge_kw = dict(
+            template=merge_template + [("MERGE_WARPS", MERGE_WARPS)],
+            grid=(b * h_q * mw * 32, 1, 1),
+            threadgroup=(mw * 32, 1, 1),
+            output_shapes=[out_shape],
+            output_dtypes=[q_dtype],
+        )
+
+    def __call__(self, q: mx.array, pool: KiviPool, k_new: mx.array | None = None,
+                 v_new: mx.array | None = None) -> mx.array:
+        """Attention of q over `pool`. With `k_new`, `v_new` ([B, H_kv, D] or the
+        model's [B, H_kv, 1, D], the step's new token, in the pool's dtype) the tail's
+        last row (tail_lens - 1) is read from them and written into the pool by the
+        kernel: the caller writes no tail. Without them that row must already hold
+        the token."""
+        if k_new is None:
+            inputs = [q, *pool, *self.meta, pool.tail_k, pool.tail_v]  # never read: params[5] = 0
+        else:
+            inputs = [q, *pool, *self.meta_new, k_new, v_new]
+        part_acc, part_ml = self.split(inputs=inputs, **self.split_kw)
+        return MERGE_KERNEL(inputs=[part_acc, part_ml, self.params], **self.merge_kw)[0]
+
+
+def kivi_decode_attend(q: mx.array, pool: KiviPool, block_tables, num_blocks, slots, tail_lens, *,
+                       scale: float, bits: int, group_size: int = 32) -> mx.array:
+    """One decode step of attention over the KIVI pool: 2 CUDA launches, with the
+    contract and arguments of `kernels.kivi_reference.decode_attention` (q [B, H_q, D];
+    the pool's scales and tails fp16 or bf16). A caller that attends several layers
+    with the same metadata builds one `AttendPlan` and calls it per layer instead."""
+    if ATTEND_KERNEL is None:
+        raise RuntimeError("MLX's CUDA backend is not available")
+    if q.shape[0] == 0:
+        return mx.zeros(q.shape, dtype=q.dtype)
+    plan = AttendPlan(q.shape, q.dtype, pool, block_tables, num_blocks, slots, tail_lens,
+                      scale=scale, bits=bits, group_size=group_size)
+    return plan(q, pool)
+
+
+__all__ = ["AttendPlan", "fold_applies", "kivi_decode_attend", "mma_supports"]

@@ -1,0 +1,93 @@
+"""kernels.self_check: the kernels dispatch would run here, checked once against the
+reference. On CPU no kernel runs, so the checks below inject backends through
+`dispatch.kernel_module` (the one backend lookup): one that is the reference itself
+(must pass), and faulty ones (must be reported, naming the operation)."""
+
+from __future__ import annotations
+
+import types
+
+import mlx.core as mx
+import pytest
+
+from kiviq.kernels import dispatch, launch
+from kiviq.kernels.kivi_reference import decode_attention, flush_tails, gather_flush_layers
+from kiviq.kernels.self_check import self_check
+
+LAYOUT = dict(bits=4, group_size=32, head_dim=64, num_q_heads=8, num_kv_heads=2, dtype=mx.float16)
+
+
+def fake_backend(*, attend_fault=None, attend_raises=None, flush_fault=False):
+    """A backend module with the names dispatch uses, computing with the reference,
+    optionally wrong: attend output passed through `attend_fault`, attend_plan raising
+    `attend_raises`, or the flushed blocks' key scales doubled."""
+    def attend_plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, *, scale, bits,
+                    group_size):
+        if attend_raises is not None:
+            raise attend_raises
+
+        def attend(q, p):
+            flat = q.reshape(q.shape[0], q.shape[1], q.shape[-1])
+            out = decode_attention(flat, p, block_tables, num_blocks, slots, tail_lens, scale=scale, bits=bits,
+                                   group_size=group_size)
+            if attend_fault is not None:
+                out = attend_fault(out).astype(q.dtype)
+            return out.reshape(q.shape)
+        return attend
+
+    def flush_layers(pools, slots, ids, *, bits, group_size, blocks_per_slot=1, wait=True):
+        gather_flush_layers(pools, slots, ids, bits=bits, group_size=group_size, blocks_per_slot=blocks_per_slot)
+        if flush_fault:
+            for pool in pools:
+                pool.k_scales[ids] = pool.k_scales[ids] * 2
+            mx.eval([p.k_scales for p in pools])
+
+    return types.SimpleNamespace(NAME="fake", supports=launch.supports, attend_plan=attend_plan,
+                                 flush_supports=launch.flush_supports, kivi_flush=flush_tails,
+                                 flush_layers=flush_layers)
+
+
+@pytest.fixture
+def inject(monkeypatch):
+    def use(module):
+        monkeypatch.setattr(dispatch, "kernel_module", lambda: module)
+        assert dispatch.backend() == "fake"
+    return use
+
+
+def test_reference_backend_needs_no_check():
+    if dispatch.kernel_module() is None:  # CPU: nothing but the reference runs
+        assert dispatch.backend() == "reference"
+    assert self_check(**LAYOUT) is None
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, dict(LAYOUT, bits=2, dtype=mx.bfloat16, head_dim=128),
+                                    dict(LAYOUT, bits=8, group_size=16, num_q_heads=6, num_kv_heads=3)])
+def test_a_correct_kernel_passes(inject, layout):
+    inject(fake_backend())
+    assert self_check(**layout) is None
+
+
+@pytest.mark.parametrize("fault", [lambda out: out * 1.01,  # 1% off everywhere
+                                   lambda out: mx.concatenate([mx.full(out[:1].shape, float("nan"), out.dtype),
+                                                               out[1:]])],  # NaN in one sequence
+                         ids=["scaled", "nan"])
+def test_a_wrong_attend_is_reported_with_its_error(inject, fault):
+    inject(fake_backend(attend_fault=fault))
+    reason = self_check(**LAYOUT)
+    assert reason is not None and reason.startswith("attend kernel:"), reason
+    assert "max error" in reason and "\n" not in reason
+
+
+def test_a_wrong_flush_is_reported(inject):
+    inject(fake_backend(flush_fault=True))
+    reason = self_check(**LAYOUT)
+    assert reason is not None and reason.startswith("flush kernel:"), reason
+    assert "k_scales" in reason
+
+
+def test_a_kernel_that_raises_is_reported_with_the_error(inject):
+    inject(fake_backend(attend_raises=RuntimeError("nvrtc: compilation failed\nkernel.cu(12): error: expected a ;")))
+    reason = self_check(**LAYOUT)
+    assert reason is not None and reason.startswith("attend kernel: raised RuntimeError"), reason
+    assert "expected a ;" in reason and "\n" not in reason
