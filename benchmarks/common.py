@@ -86,7 +86,7 @@ def kv_budget(model, bits: int, tokens: list[int], flush_blocks: int = 1, slack_
     probe = KiviStore(layers, kv_heads, head_dim, config=KVConfig(bits, flush_blocks=flush_blocks), num_blocks=1,
                       num_slots=1, dtype=model_dtype(model))
     g = probe.config.group_size
-    return sum(probe.slot_bytes + (-(-n // g) + slack_blocks) * probe.block_bytes for n in tokens)
+    return sum(probe.blocks.slot_bytes + (-(-n // g) + slack_blocks) * probe.blocks.block_bytes for n in tokens)
 
 
 def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bits: int,

@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_lm_base
 
+from kiviq.engine.block_manager import blocks_for_budget
 from kiviq.engine.kv_store import DecodeBatch, KiviStore, KVConfig, SequenceKV
 
 _stock_sdpa = mlx_lm_base.scaled_dot_product_attention
@@ -170,7 +171,8 @@ def default_kv_memory() -> int:
 
 
 def make_store(model: nn.Module, config: KVConfig, *, kv_memory: int | None = None,
-               max_sequences: int = 8, context: int | None = None, dtype: mx.Dtype | None = None) -> KiviStore:
+               max_sequences: int = 8, context: int | None = None, dtype: mx.Dtype | None = None,
+               use_kernel: bool | None = None) -> KiviStore:
     """A store for ``model`` whose pools and tails fit in ``kv_memory`` bytes,
     and no larger than ``max_sequences`` sequences of ``context`` tokens need.
 
@@ -184,14 +186,14 @@ def make_store(model: nn.Module, config: KVConfig, *, kv_memory: int | None = No
         dtype = model_dtype(model)
     budget = kv_memory if kv_memory is not None else default_kv_memory()
     probe = KiviStore(layers, n_kv, head_dim, config=config, num_blocks=1, num_slots=1, dtype=dtype)
-    num_blocks = (budget - max_sequences * probe.slot_bytes) // probe.block_bytes
-    if context is not None:
-        num_blocks = min(num_blocks, max_sequences * -(-context // config.group_size))
+    sizes = probe.blocks
+    num_blocks = blocks_for_budget(budget, block_bytes=sizes.block_bytes, slot_bytes=sizes.slot_bytes,
+                                   max_sequences=max_sequences, group_size=config.group_size, context=context)
     if num_blocks < 1:
         raise ValueError(f"kv_memory={budget} bytes cannot hold {max_sequences} sequence tails "
-                         f"({probe.slot_bytes} bytes each) plus any quantized block")
-    return KiviStore(layers, n_kv, head_dim, config=config, num_blocks=int(num_blocks),
-                     num_slots=max_sequences, dtype=dtype)
+                         f"({sizes.slot_bytes} bytes each) plus any quantized block")
+    return KiviStore(layers, n_kv, head_dim, config=config, num_blocks=num_blocks,
+                     num_slots=max_sequences, dtype=dtype, use_kernel=use_kernel)
 
 
 def model_dtype(model: nn.Module) -> mx.Dtype:
@@ -210,11 +212,11 @@ class KiviSequenceCache(list):
 
     def __init__(self, store: KiviStore):
         self.store = store
-        self.sequence = store.new_sequence()
+        self.sequence = store.blocks.allocate()
         super().__init__(KiviLayerCache(store, i, [self.sequence]) for i in range(store.num_layers))
 
     def release(self) -> None:
-        self.store.release(self.sequence)
+        self.store.blocks.free(self.sequence)
 
 
 def kivi_cache_factory(store: KiviStore) -> Callable[[Any], KiviSequenceCache]:

@@ -37,7 +37,7 @@ def test_batch_equals_single(smollm2):
     reqs = lambda: [Request(f"r{i}", ps[i], max_tokens=3 + i) for i in range(12)]
     engine = make_engine(model, tok)
     batched = run(engine, reqs(), join_every=2)  # join (and leave) mid-run
-    assert engine.kv_store.used_bytes() == 0
+    assert engine.kv_store.blocks.used_bytes() == 0
     for req in reqs():
         alone = run(make_engine(model, tok), [req])
         assert batched[req.request_id] == alone[req.request_id], req.request_id
@@ -54,7 +54,7 @@ def test_batch_equals_single_with_multi_block_flushes(smollm2):
     reqs = lambda: [Request(f"r{i}", ps[i], max_tokens=50 + 3 * i) for i in range(4)]
     engine = make_engine(model, tok, config=config)
     batched = run(engine, reqs(), join_every=2)
-    assert engine.kv_store.used_bytes() == 0
+    assert engine.kv_store.blocks.used_bytes() == 0
     for req in reqs():
         assert batched[req.request_id] == run(make_engine(model, tok, config=config), [req])[req.request_id]
 
@@ -73,7 +73,7 @@ def _drive(engine, pending, abort=("g0", 14)):
             tokens, text, reason = out.get(ev.request_id, ([], "", None))
             out[ev.request_id] = (tokens + ev.token_ids, text + ev.text, ev.finish_reason or reason)
         step += 1
-    assert engine.kv_store.used_bytes() == 0
+    assert engine.kv_store.blocks.used_bytes() == 0
     return out
 
 
@@ -245,7 +245,7 @@ def test_preemption_completes_everything_correctly(smollm2):
     engine = make_engine(model, tok, blocks=7, slots=8, reserve_tokens=0)
     batched = run(engine, reqs())
     assert engine.stats["preemptions"] > 0
-    assert engine.kv_store.used_bytes() == 0
+    assert engine.kv_store.blocks.used_bytes() == 0
     for req in reqs()[-3:]:  # the newest are the ones preempted
         assert batched[req.request_id] == run(make_engine(model, tok), [req])[req.request_id]
 
@@ -264,8 +264,8 @@ def test_stop_string_eos_max_tokens_and_abort(smollm2):
         for ev in engine.step():
             texts[ev.request_id] = texts.get(ev.request_id, "") + ev.text
             reasons[ev.request_id] = ev.finish_reason
-    held = engine.kv_store.used_bytes()
-    assert engine.abort("abort") and engine.kv_store.used_bytes() < held  # freed at once
+    held = engine.kv_store.blocks.used_bytes()
+    assert engine.abort("abort") and engine.kv_store.blocks.used_bytes() < held  # freed at once
     while engine.has_work():
         for ev in engine.step():
             texts[ev.request_id] = texts.get(ev.request_id, "") + ev.text
@@ -274,7 +274,7 @@ def test_stop_string_eos_max_tokens_and_abort(smollm2):
     assert reasons["stop"] == "stop" and "France is" not in texts["stop"]
     assert texts["eos"].startswith(texts["stop"])
     assert reasons["len"] == "length"
-    assert engine.kv_store.used_bytes() == 0 and not engine.abort("abort")
+    assert engine.kv_store.blocks.used_bytes() == 0 and not engine.abort("abort")
 
 
 def test_request_too_large_for_store_fails_alone(smollm2):
@@ -394,3 +394,4 @@ def test_wider_block_tables_change_no_token(smollm2):
         engine.kv_store.table_width_multiple = 8
         assert run(engine, reqs(), join_every=2) == plain
     assert engine.runner.compiled.stats["compiled"] > 20
+

@@ -57,4 +57,4 @@ def test_family_runs_on_kivi_cache_close_to_fp_cache(family):
     err = np.abs(got - want).max() / want.std()
     assert err < 0.05, err
     cache.release()
-    assert store.used_bytes() == 0
+    assert store.blocks.used_bytes() == 0
