@@ -2,10 +2,10 @@
 
 mlx-lm attention layers call ``cache.update_and_fetch(keys, values)`` and then
 ``scaled_dot_product_attention(q, k, v, cache=cache, ...)`` from
-``mlx_lm.models.base``. ``install_attention_hook`` routes the latter to
-``KiviLayerCache.attend`` when the cache is ours (and to the stock function
-otherwise), so llama, qwen2, qwen3, mistral and other families that use the
-shared helper run unchanged:
+``mlx_lm.models.base``. ``AttentionHook`` (entered by the model runner around
+each forward) routes the latter to ``KiviLayerCache.attend`` when the cache is
+ours (and to the stock function otherwise), so llama, qwen2, qwen3, mistral and
+other families that use the shared helper run unchanged:
 
 - prefill (L > 1): full-precision fused SDPA over the committed past
   (dequantized blocks + fp16 tail) and the fresh chunk; the chunk is quantized
@@ -20,8 +20,6 @@ shared helper run unchanged:
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -63,7 +61,7 @@ class KiviLayerCache:
         # Nothing is stored yet: `attend` decides the order of writes and reads.
         if self._pending is not None:
             raise RuntimeError(
-                "KIVI cache: attention did not go through kiviq's hook (install_attention_hook); "
+                "KIVI cache: attention did not go through kiviq's hook (AttentionHook); "
                 "this model family computes attention itself and is not supported")
         self._pending = (keys, values)
         return keys, values
@@ -140,13 +138,32 @@ def kiviq_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
     return _stock_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
-def install_attention_hook() -> None:
-    """Route mlx-lm's shared attention helper through ``kiviq_sdpa`` in every
-    loaded model module (and in ``base``, for modules imported later)."""
-    mlx_lm_base.scaled_dot_product_attention = kiviq_sdpa
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is _stock_sdpa:
-            module.scaled_dot_product_attention = kiviq_sdpa
+class AttentionHook:
+    """Routes mlx-lm's shared attention helper through ``kiviq_sdpa`` while entered.
+
+    Patches only the modules of ``model``'s own layers (and ``base``) that use
+    the stock helper, and restores them on exit; re-entrant.
+    """
+
+    def __init__(self, model: nn.Module):
+        names = {type(m).__module__ for _, m in model.named_modules()} | {mlx_lm_base.__name__}
+        self._modules = [sys.modules[n] for n in sorted(names)
+                         if n in sys.modules and getattr(sys.modules[n], "scaled_dot_product_attention", None)
+                         is _stock_sdpa]
+        self._depth = 0
+
+    def __enter__(self) -> "AttentionHook":
+        if self._depth == 0:
+            for module in self._modules:
+                module.scaled_dot_product_attention = kiviq_sdpa
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            for module in self._modules:
+                module.scaled_dot_product_attention = _stock_sdpa
 
 
 def attention_shape(model: nn.Module) -> tuple[int, int, int]:
@@ -180,7 +197,6 @@ def make_store(model: nn.Module, config: KVConfig, *, kv_memory: int | None = No
         ValueError: the budget cannot hold the tails plus one full-context
             sequence's worth of blocks.
     """
-    install_attention_hook()
     layers, n_kv, head_dim = attention_shape(model)
     if dtype is None:
         dtype = model_dtype(model)
@@ -208,7 +224,8 @@ def model_dtype(model: nn.Module) -> mx.Dtype:
 
 class KiviSequenceCache(list):
     """The per-layer caches of one sequence (a list, as mlx-lm expects), plus
-    ``release()`` to give its blocks back."""
+    ``release()`` to give its blocks back. Its forwards must run inside the
+    model's ``AttentionHook``."""
 
     def __init__(self, store: KiviStore):
         self.store = store
@@ -218,7 +235,3 @@ class KiviSequenceCache(list):
     def release(self) -> None:
         self.store.blocks.free(self.sequence)
 
-
-def kivi_cache_factory(store: KiviStore) -> Callable[[Any], KiviSequenceCache]:
-    """A ``make_cache(model)`` for the engine that draws from ``store``."""
-    return lambda model: KiviSequenceCache(store)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kiviq.engine import Engine, Request, SamplingParams
-from kiviq.engine.kivi_cache import attention_shape, install_attention_hook, model_dtype
+from kiviq.engine.kivi_cache import attention_shape, model_dtype
 from kiviq.engine.kv_store import KiviStore, KVConfig
 from engine_runs import run_engine as run
 
@@ -19,7 +19,6 @@ TEXT = ("The old lighthouse keeper climbed the spiral stairs every evening, coun
 
 def make_engine(model, tok, *, blocks=256, slots=16, reserve_tokens=64, max_batch_tokens=256,
                 pipeline=True, config=KV, compile_decode=False) -> Engine:
-    install_attention_hook()
     layers, h_kv, d = attention_shape(model)
     store = KiviStore(layers, h_kv, d, config=config, num_blocks=blocks, num_slots=slots, dtype=model_dtype(model))
     return Engine(model, tok, store, max_batch_tokens=max_batch_tokens, reserve_tokens=reserve_tokens,
