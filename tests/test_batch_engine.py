@@ -394,3 +394,17 @@ def test_wider_block_tables_change_no_token(smollm2):
         assert run(engine, reqs(), join_every=2) == plain
     assert engine.runner.compiled.stats["compiled"] > 20
 
+
+def test_engine_config_names_the_bad_field():
+    from kiviq.engine.config import EngineConfig
+
+    for bad, field in ((dict(kv_bits=3), "kv_bits"), (dict(kv_residual=40), "kv_residual"),
+                       (dict(kv_flush_blocks=0), "kv_flush_blocks"), (dict(max_sequences=0), "max_sequences"),
+                       (dict(max_batch_tokens=0), "max_batch_tokens"), (dict(kv_memory=0), "kv_memory"),
+                       (dict(use_kernel=True), "use_kernel"), (dict(kv_group_size=7, kv_residual=14), "kv_group_size")):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**bad)
+    config = EngineConfig(kv_bits=2, kv_group_size=16, kv_residual=32, kv_flush_blocks=2)
+    assert config.kv == KVConfig(2, 16, 32, 2)
+    with pytest.raises(AttributeError):
+        config.kv_bits = 4  # frozen
