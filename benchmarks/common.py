@@ -14,8 +14,7 @@ import tempfile
 def machine() -> str:
     """One line describing where a benchmark ran (CPU model and count, MLX
     backend, BLAS). The CPU model matters on a GPU too: kiviq's decode steps are
-    host-bound, and in session 8 the same GPU kind on four hosts gave B=32 ratios
-    against BatchGenerator from 2.35x to 3.74x."""
+    host-bound, so the same GPU kind on different hosts gives different results."""
     import mlx.core as mx
 
     device = mx.default_device()

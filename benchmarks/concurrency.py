@@ -43,8 +43,7 @@ Every system's run allocates up to the whole budget, one after another (fp16,
 then each kiviq store), so before each the budget plus ``--headroom-gib`` must
 be available, else the rest of that budget is skipped.
 
-Run (2-core CPU, about 25 minutes with every layer filled; results in
-docs/benchmarks.md):
+Run (2-core CPU, about 25 minutes with every layer filled):
     PYTHONPATH=. python benchmarks/concurrency.py --budget-gib 4 8
 """
 
@@ -457,7 +456,7 @@ def main() -> None:
     per_seq = {}
     for bits in args.bits:
         p = probes[bits]
-        per_seq[bits] = p.blocks_needed(args.context) * p.blocks.block_bytes + p.blocks.slot_bytes
+        per_seq[bits] = p.blocks.blocks_needed(args.context) * p.blocks.block_bytes + p.blocks.slot_bytes
         proj_header += [f"{bits}-bit (slots fit)", f"{bits}-bit ratio", f"{bits}-bit, 32 slots", "ratio"]
     proj = []
     for budget_gib in args.project_gib:

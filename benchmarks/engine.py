@@ -169,7 +169,7 @@ def main() -> None:
     p.add_argument("--plain-arm", action="store_true",
                    help="also run kiviq 4-bit with plain decode steps (not compiled, not pipelined)")
     p.add_argument("--qmm-ab", action="store_true", dest="qmm_ab",
-                   help="the flat quantized matmuls' A/B (engine.flat_quantized; kiviq arms use them by "
+                   help="with and without the flat quantized matmuls (engine.flat_quantized; kiviq arms use them by "
                         "default): also run batchgen with them (batchgen-flat) and each kiviq arm without "
                         "them (<arm>-unflat)")
     p.add_argument("--arms", nargs="+", default=None,

@@ -120,8 +120,7 @@ def test_decode_steps_write_the_tails_in_place_with_kernel(gpu_model, pipeline, 
 def test_flat_quantized_matmuls_give_the_same_tokens_with_kernel(gpu_model):
     """engine.flat_quantized on the GPU: 12 sequences decoding together make MLX take
     its batched quantized matmul (M * B >= 8); flattened, the same rows go through one
-    GEMM. Same greedy tokens either way (the default rests on this and the step_trace
-    A/B in docs/benchmarks.md, session 11)."""
+    GEMM. Same greedy tokens either way (the default rests on this)."""
     from kiviq.engine import Request
     from kiviq.engine.flat_quantized import (flat_quantized_matmuls, flatten_quantized_matmuls,
                                              restore_quantized_matmuls)
