@@ -14,8 +14,7 @@ import tempfile
 def machine() -> str:
     """One line describing where a benchmark ran (CPU model and count, MLX
     backend, BLAS). The CPU model matters on a GPU too: kiviq's decode steps are
-    host-bound, and in session 8 the same GPU kind on four hosts gave B=32 ratios
-    against BatchGenerator from 2.35x to 3.74x."""
+    host-bound, so the same GPU kind on different hosts gives different results."""
     import mlx.core as mx
 
     device = mx.default_device()
@@ -86,7 +85,7 @@ def kv_budget(model, bits: int, tokens: list[int], flush_blocks: int = 1, slack_
     probe = KiviStore(layers, kv_heads, head_dim, config=KVConfig(bits, flush_blocks=flush_blocks), num_blocks=1,
                       num_slots=1, dtype=model_dtype(model))
     g = probe.config.group_size
-    return sum(probe.slot_bytes + (-(-n // g) + slack_blocks) * probe.block_bytes for n in tokens)
+    return sum(probe.blocks.slot_bytes + (-(-n // g) + slack_blocks) * probe.blocks.block_bytes for n in tokens)
 
 
 def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bits: int,

@@ -15,8 +15,8 @@ sides really allocate and fill their memory (MLX arrays, evaluated):
   N fp16 tails are preallocated and the rest of the budget becomes quantized
   blocks. Sequences with a ``--context``-token prompt are then offered to the
   engine's own ``Scheduler`` (``reserve_tokens`` = the engine's default 64, over
-  the engine's ``_StoreCounts`` view of the store); every admitted sequence gets
-  a slot (``store.new_sequence``) and its prefill chunks, as the scheduler plans
+  the store's block manager, ``store.blocks``); every admitted sequence gets
+  a slot (``store.blocks.allocate``) and its prefill chunks, as the scheduler plans
   them (``max_batch_tokens`` tokens per step), are written with
   ``KiviStore.append`` into ``--fill-layers`` layers (default all), which
   allocates its blocks through the store's allocator. When every admitted
@@ -43,8 +43,7 @@ Every system's run allocates up to the whole budget, one after another (fp16,
 then each kiviq store), so before each the budget plus ``--headroom-gib`` must
 be available, else the rest of that budget is skipped.
 
-Run (2-core CPU, about 25 minutes with every layer filled; results in
-docs/benchmarks.md):
+Run (2-core CPU, about 25 minutes with every layer filled):
     PYTHONPATH=. python benchmarks/concurrency.py --budget-gib 4 8
 """
 
@@ -68,20 +67,22 @@ import numpy as np  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from benchmarks.common import command, machine, table  # noqa: E402
-from kiviq.engine.batch_engine import Engine, _StoreCounts  # noqa: E402
+from kiviq.engine.batch_engine import Engine  # noqa: E402
+from kiviq.engine.block_manager import blocks_for_budget  # noqa: E402
+from kiviq.engine.config import EngineConfig  # noqa: E402
 from kiviq.engine.kivi_cache import KiviLayerCache, make_store  # noqa: E402
 from kiviq.engine.kv_store import KiviStore, KVConfig  # noqa: E402
 from kiviq.engine.request import Request  # noqa: E402
 from kiviq.engine.scheduler import Scheduler  # noqa: E402
 from kiviq.engine.sequence import Sequence  # noqa: E402
-from kiviq.engine.setup import build_engine, context_length  # noqa: E402
+from kiviq.engine.setup import context_length  # noqa: E402
 
 GIB = 1 << 30
 # The engine's defaults (the worker passes neither): admission reserve, tokens per step.
 _ENGINE_DEFAULTS = inspect.signature(Engine.__init__).parameters
 RESERVE_TOKENS = _ENGINE_DEFAULTS["reserve_tokens"].default
-MAX_BATCH_TOKENS = inspect.signature(build_engine).parameters["max_batch_tokens"].default
-WORKER_MAX_ACTIVE = 32  # `kiviq worker --max-active` default
+MAX_BATCH_TOKENS = EngineConfig().max_batch_tokens
+WORKER_MAX_ACTIVE = EngineConfig().max_sequences  # `kiviq worker --max-active` default
 TARGETS = {4: 2.8, 2: 4.0}  # issue #5: concurrent 16k sequences vs fp16
 
 # name: (layers, kv heads, head_dim, query heads, model context window)
@@ -129,7 +130,7 @@ class _Counts:
     probe: KiviStore
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return self.probe.blocks_needed(num_tokens)
+        return self.probe.blocks.blocks_needed(num_tokens)
 
     def blocks_held(self, seq: Sequence) -> int:
         return 0
@@ -147,10 +148,11 @@ def probe_store(layers: int, h_kv: int, d: int, config: KVConfig) -> KiviStore:
 
 
 def planned_blocks(probe: KiviStore, budget: int, max_sequences: int, model_context: int) -> int:
-    """make_store's num_blocks for this budget (engine/kivi_cache.py), from the
-    probe's measured bytes; checked against the real make_store where run."""
-    nb = (budget - max_sequences * probe.slot_bytes) // probe.block_bytes
-    return min(nb, max_sequences * -(-model_context // probe.config.group_size))
+    """make_store's num_blocks for this budget (engine.block_manager.blocks_for_budget),
+    from the probe's measured bytes; checked against the real make_store where run."""
+    return blocks_for_budget(budget, block_bytes=probe.blocks.block_bytes, slot_bytes=probe.blocks.slot_bytes,
+                             max_sequences=max_sequences, group_size=probe.config.group_size,
+                             context=model_context)
 
 
 def admitted_by_counts(probe: KiviStore, num_blocks: int, max_sequences: int, context: int) -> int:
@@ -167,7 +169,7 @@ def admitted_by_counts(probe: KiviStore, num_blocks: int, max_sequences: int, co
 def fitted_slots(probe: KiviStore, budget: int, context: int, model_context: int) -> tuple[int, int]:
     """(smallest max_sequences that maximizes the admitted count, that count)."""
     best = (1, 0)
-    for ms in range(1, max(1, budget // probe.slot_bytes) + 1):
+    for ms in range(1, max(1, budget // probe.blocks.slot_bytes) + 1):
         n = admitted_by_counts(probe, planned_blocks(probe, budget, ms, model_context), ms, context)
         if n > best[1]:
             best = (ms, n)
@@ -209,10 +211,10 @@ def run_kiviq(shape: tuple, bits: int, budget: int, context: int, max_sequences:
     store = make_store(model, KVConfig(bits, group_size, residual), kv_memory=budget,
                        max_sequences=max_sequences, context=context_length(model), dtype=mx.bfloat16)
     pool_bytes = sum(a.nbytes for pool in store.pools for a in pool)
-    assert pool_bytes == store.budget_bytes() <= budget, (pool_bytes, store.budget_bytes(), budget)
+    assert pool_bytes == store.blocks.budget_bytes() <= budget, (pool_bytes, store.blocks.budget_bytes(), budget)
     active_before_fill = mx.get_active_memory() - a0
 
-    sched = Scheduler(_StoreCounts(store), max_batch_tokens, RESERVE_TOKENS)
+    sched = Scheduler(store.blocks, max_batch_tokens, RESERVE_TOKENS)
     offered = _offer(max_sequences + 1, context)
     for s in offered:
         sched.add(s)
@@ -222,7 +224,7 @@ def run_kiviq(shape: tuple, bits: int, budget: int, context: int, max_sequences:
         plan = sched.schedule()
         assert not plan.preempt and not plan.fail, (plan.preempt, plan.fail)
         for s in plan.admit:
-            s.kv = store.new_sequence()
+            s.kv = store.blocks.allocate()
         if not plan.prefill:
             break
         for s, n in plan.prefill:
@@ -243,16 +245,16 @@ def run_kiviq(shape: tuple, bits: int, budget: int, context: int, max_sequences:
     nxt = sched.waiting[0] if sched.waiting else None
     if nxt is None:
         refusal = "none offered"
-    elif store.free_slots == 0:
+    elif store.blocks.free_slots == 0:
         refusal = "no free slot"
     else:
-        refusal = (f"blocks: needs {store.blocks_needed(nxt.num_tokens + RESERVE_TOKENS)}, "
-                   f"{store.free_blocks} free")
+        refusal = (f"blocks: needs {store.blocks.blocks_needed(nxt.num_tokens + RESERVE_TOKENS)}, "
+                   f"{store.blocks.free_blocks} free")
     # What one admitted sequence holds, three ways that must agree.
     seq = running[-1].kv
     nb = len(seq.block_ids)
-    assert nb == store.blocks_needed(context) and all(u == nb for u in seq.blocks_used[:fill_layers])
-    per_seq = nb * store.block_bytes + store.slot_bytes
+    assert nb == store.blocks.blocks_needed(context) and all(u == nb for u in seq.blocks_used[:fill_layers])
+    per_seq = nb * store.blocks.block_bytes + store.blocks.slot_bytes
     if fill_layers == layers:
         cache_bytes = sum(KiviLayerCache(store, layer, [seq]).nbytes for layer in range(layers))
         assert cache_bytes == per_seq, (cache_bytes, per_seq)
@@ -263,8 +265,8 @@ def run_kiviq(shape: tuple, bits: int, budget: int, context: int, max_sequences:
     assert bool(mx.any(pool.k_scales[last] != 0)) and bool(mx.any(pool.v_codes[last] != 0))
     active = mx.get_active_memory() - a0
     peak = mx.get_peak_memory() - a0
-    result = KiviResult(bits, max_sequences, slots_label, store.num_blocks, held, per_seq, nb,
-                        store.budget_bytes(), active, active_before_fill, peak, refusal, fill_layers, fill_s)
+    result = KiviResult(bits, max_sequences, slots_label, store.blocks.num_blocks, held, per_seq, nb,
+                        store.blocks.budget_bytes(), active, active_before_fill, peak, refusal, fill_layers, fill_s)
     del store, sched, running, offered, seq, pool, bank
     _fresh()
     return result
@@ -435,7 +437,7 @@ def main() -> None:
                          ("met" if ratio >= target else "missed") if target else "-",
                          _mib(r.active_bytes), _mib(r.peak_bytes), r.refusal])
             print(f"    -> {r.held} sequences, store {_gib(r.store_bytes)} ({r.num_blocks} blocks of "
-                  f"{probe.block_bytes} B, {ms} slots of {probe.slot_bytes} B); active {_mib(r.active_bytes)} "
+                  f"{probe.blocks.block_bytes} B, {ms} slots of {probe.blocks.slot_bytes} B); active {_mib(r.active_bytes)} "
                   f"(before fill {_mib(r.active_before_fill)}), peak {_mib(r.peak_bytes)}; "
                   f"{r.fill_layers} layers filled in {r.fill_s:.0f} s\n", flush=True)
         print(flush=True)
@@ -454,7 +456,7 @@ def main() -> None:
     per_seq = {}
     for bits in args.bits:
         p = probes[bits]
-        per_seq[bits] = p.blocks_needed(args.context) * p.block_bytes + p.slot_bytes
+        per_seq[bits] = p.blocks.blocks_needed(args.context) * p.blocks.block_bytes + p.blocks.slot_bytes
         proj_header += [f"{bits}-bit (slots fit)", f"{bits}-bit ratio", f"{bits}-bit, 32 slots", "ratio"]
     proj = []
     for budget_gib in args.project_gib:

@@ -30,6 +30,7 @@ from benchmarks.common import kv_budget  # noqa: E402
 from kiviq.engine import Request, build_engine  # noqa: E402
 from kiviq.engine.flat_quantized import flat_quantized_matmuls  # noqa: E402
 from kiviq.engine.kivi_cache import attention_shape  # noqa: E402
+from tests.engine_runs import IdTokenizer  # noqa: E402
 
 SHAPES = {
     "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,
@@ -40,26 +41,6 @@ SHAPES = {
                          num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=49152,
                          rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True),
 }
-
-
-class NullDetokenizer:
-    """Random weights have no text: the engines only need token ids."""
-
-    last_segment = ""
-
-    def add_token(self, token):
-        pass
-
-    def finalize(self):
-        pass
-
-
-class IdTokenizer:
-    eos_token_ids: set = set()
-
-    @property
-    def detokenizer(self):
-        return NullDetokenizer()
 
 
 def random_model(shape: str, dtype, quantize: int | None):
@@ -188,7 +169,7 @@ def main() -> None:
     p.add_argument("--plain-arm", action="store_true",
                    help="also run kiviq 4-bit with plain decode steps (not compiled, not pipelined)")
     p.add_argument("--qmm-ab", action="store_true", dest="qmm_ab",
-                   help="the flat quantized matmuls' A/B (engine.flat_quantized; kiviq arms use them by "
+                   help="with and without the flat quantized matmuls (engine.flat_quantized; kiviq arms use them by "
                         "default): also run batchgen with them (batchgen-flat) and each kiviq arm without "
                         "them (<arm>-unflat)")
     p.add_argument("--arms", nargs="+", default=None,

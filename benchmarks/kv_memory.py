@@ -8,11 +8,11 @@ For each shape and bit width:
   * a KiviStore sized exactly for the sequence (the blocks it needs, one slot)
     is filled by appending ``--seq`` tokens of random K/V per layer in prefill
     chunks; its bytes are summed from the real pool buffers (``.nbytes``) and
-    checked against ``store.used_bytes()`` and the caches' ``nbytes``;
+    checked against ``store.blocks.used_bytes()`` and the caches' ``nbytes``;
   * the fp16 size is ``seq * layers * 2 * H_kv * D * 2`` bytes, confirmed by
     filling mlx-lm's own ``KVCache`` per layer with the same sequence;
   * decode transient: ``mx.reset_peak_memory()``, then one decode step's
-    attention over every layer (``store.decode_attend`` with a random query,
+    attention over every layer (``tests.kv_helpers.decode_attend`` with a random query,
     evaluated per layer); transient = peak - active memory before the step
     (the resident cache, the queries and everything else already allocated).
 
@@ -42,6 +42,7 @@ import kiviq.kernels.kivi_reference as reference  # noqa: E402
 from benchmarks.common import command, machine, mib, table  # noqa: E402
 from kiviq.engine.kivi_cache import KiviLayerCache  # noqa: E402
 from kiviq.engine.kv_store import KiviStore, KVConfig  # noqa: E402
+from tests import kv_helpers  # noqa: E402
 
 SHAPES = {
     # name: (layers, kv heads, head dim, query heads)
@@ -52,7 +53,7 @@ SHAPES = {
 
 def fill_store(store: KiviStore, seq_len: int, chunk: int, h_kv: int, d: int, rng: np.random.Generator):
     """Append seq_len tokens of random fp16 K/V to every layer, in prefill chunks."""
-    seq = store.new_sequence()
+    seq = store.blocks.allocate()
     for layer in range(store.num_layers):
         for start in range(0, seq_len, chunk):
             n = min(chunk, seq_len - start)
@@ -95,7 +96,7 @@ def decode_transient(store: KiviStore, seq, h_q: int, d: int, rng: np.random.Gen
     t0 = time.perf_counter()
     outs = []
     for layer in range(store.num_layers):
-        out = store.decode_attend(layer, [seq], qs[layer], d**-0.5)
+        out = kv_helpers.decode_attend(store, layer, [seq], qs[layer], d**-0.5)
         if per_layer_eval:
             mx.eval(out)
         outs.append(out)
@@ -133,14 +134,12 @@ def main() -> None:
     if args.decode_from:
         import importlib.util
 
-        import kiviq.engine.kv_store
-
         spec = importlib.util.spec_from_file_location("decode_from", args.decode_from)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        kiviq.engine.kv_store.decode_attend = module.decode_attention
+        kv_helpers.dispatch_decode_attend = module.decode_attention
         chunk_desc = decode_desc = f"decode_attention from {args.decode_from}"
-    elif backend() != "reference":  # the store's decode_attend dispatches to a kernel
+    elif backend() != "reference":  # decode_attend dispatches to a kernel
         chunk_desc = decode_desc = f"{backend()} kernel"
 
     print(f"# {command()}")
@@ -160,17 +159,18 @@ def main() -> None:
         for bits in args.bits:
             config = KVConfig(bits, args.group_size, args.residual)
             probe = KiviStore(layers, h_kv, d, config=config, num_blocks=1, num_slots=1)
-            nb = probe.blocks_needed(args.seq)
+            nb = probe.blocks.blocks_needed(args.seq)
             del probe
             store = KiviStore(layers, h_kv, d, config=config, num_blocks=nb, num_slots=1)
             t0 = time.perf_counter()
             seq = fill_store(store, args.seq, args.prefill_chunk, h_kv, d, rng)
             fill_s = time.perf_counter() - t0
-            assert store.free_blocks == 0 and all(u == nb for u in seq.blocks_used)
+            assert store.blocks.free_blocks == 0 and all(u == nb for u in seq.blocks_used)
             assert all(seq.offset(layer, args.group_size) == args.seq for layer in range(layers))
             pool_bytes = sum(a.nbytes for pool in store.pools for a in pool)
             cache_bytes = sum(KiviLayerCache(store, layer, [seq]).nbytes for layer in range(layers))
-            assert pool_bytes == store.used_bytes() == cache_bytes, (pool_bytes, store.used_bytes(), cache_bytes)
+            used = store.blocks.used_bytes()
+            assert pool_bytes == used == cache_bytes, (pool_bytes, used, cache_bytes)
             size_rows.append([name, bits, nb, seq.tail_lens[0], mib(pool_bytes), mib(fp16),
                               f"{pool_bytes / fp16:.3f}x"])
             transient, dt = decode_transient(store, seq, h_q, d, rng, per_layer_eval=True)

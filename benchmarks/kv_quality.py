@@ -139,6 +139,8 @@ def ppl(nll: np.ndarray) -> float:
 def perplexity_section(model, tokenizer, args) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
+    from kiviq.engine.kivi_cache import AttentionHook
+
     tokens = load_text_tokens(tokenizer, args.tokens)
     print(f"\n## Perplexity: {len(tokens)} tokens of {DATA.name}, chunks of {args.chunk}\n", flush=True)
     rows = []
@@ -169,8 +171,9 @@ def perplexity_section(model, tokenizer, args) -> None:
     for bits, g, r, k in configs:
         t0 = time.perf_counter()
         cache = kivi_cache(model, bits, g, r, len(tokens), k)
-        nll, _ = chunked_nll(model, cache, tokens, args.chunk)
-        quantized = cache.store.blocks_needed(len(tokens)) * g
+        with AttentionHook(model):  # the KIVI caches attend only through the hook
+            nll, _ = chunked_nll(model, cache, tokens, args.chunk)
+        quantized = cache.store.blocks.blocks_needed(len(tokens)) * g
         cache.release()
         p = ppl(nll)
         label = f"KIVI {bits}-bit" + (f", {k} blocks per flush" if k > 1 else "")

@@ -27,11 +27,11 @@ adds per-layer quantize and scatter work.
 
 Several ``--arm``s run in one process on the same model and prompts, their timed
 steps interleaved in ``--rounds`` rounds (the first arm rotating), and every arm's
-tokens are compared with the first arm's (the A/B form; commands and tables in
-docs/benchmarks.md):
+tokens are compared with the first arm's (the A/B form; against older code,
+check out that commit, or use benchmarks/engine_host.py's git-revision arms):
 
     python3 benchmarks/step_trace.py --batch 32 --steps 32 --rounds 4 --warmup 100 \
-        --arm kiviq --arm kiviq,flush=gather --arm kiviq,flush_blocks=4 --arm batchgen
+        --arm kiviq --arm kiviq,flush_blocks=4 --arm batchgen
 """
 
 from __future__ import annotations
@@ -44,17 +44,16 @@ import os
 import statistics
 import sys
 import time
-from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mlx.core as mx  # noqa: E402
 
 import kiviq.engine.kv_store as kv_store_module  # noqa: E402
-from kiviq.kernels import dispatch, kivi_cuda  # noqa: E402
 from benchmarks.common import command, device_trace, machine, prefilled_engine, table  # noqa: E402
-from benchmarks.engine import SHAPES, IdTokenizer, random_model  # noqa: E402
+from benchmarks.engine import SHAPES, random_model  # noqa: E402
 from kiviq.engine.flat_quantized import flat_quantized_matmuls  # noqa: E402
+from tests.engine_runs import IdTokenizer  # noqa: E402
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
@@ -116,8 +115,7 @@ def make_model(args):
 
 class Arm:
     """One configuration under test, from ``--arm NAME[,KEY=VALUE...]``: kiviq
-    (keys ``flush_blocks``, ``flush`` = gather or fused, ``tail`` = scatter or kernel
-    (KIVIQ_TAIL_WRITE), ``bits``, ``pipeline``,
+    (keys ``flush_blocks``, ``bits``, ``pipeline``,
     ``compile``: decode steps through mx.compile, engine.compiled_decode,
     ``table``: KiviStore.table_width_multiple, ``slots``: the store's tails),
     mlxlm (key ``pipeline``: mlx-lm's own ``generate_step``, which builds step
@@ -138,18 +136,16 @@ class Arm:
         name, *pairs = spec.split(",")
         self.spec, self.name = spec, name
         self.opts = dict(p.split("=", 1) for p in pairs)
-        known = {"kiviq": {"flush_blocks", "flush", "tail", "bits", "pipeline", "compile", "table", "slots"},
+        known = {"kiviq": {"flush_blocks", "bits", "pipeline", "compile", "table", "slots"},
                  "mlxlm": {"pipeline"},
                  "batchgen": set()}
         if name not in known or set(self.opts) - known[name] - {"flatqmm"}:
-            raise SystemExit(f"--arm {spec}: expected kiviq[,flush_blocks=K][,flush=gather|fused]"
-                             "[,tail=scatter|kernel][,bits=B][,pipeline=1][,compile=1][,table=N][,slots=N], "
+            raise SystemExit(f"--arm {spec}: expected kiviq[,flush_blocks=K]"
+                             "[,bits=B][,pipeline=1][,compile=1][,table=N][,slots=N], "
                              "mlxlm[,pipeline=1] or batchgen, each optionally with ,flatqmm=1|0")
         self.pipelined = self.opts.get("pipeline", "0") == "1"
         self.flat_qmm = self.opts.get("flatqmm", "1" if name == "kiviq" else "0") == "1"
         self.model = None
-        self.env = {env: self.opts[opt] for opt, env in (("flush", kivi_cuda.FLUSH_KERNEL_ENV),
-                                                        ("tail", dispatch.TAIL_WRITE_ENV)) if opt in self.opts}
         self.flushes: list[int] = []
         self.times: list[float] = []
         self.flushed: list[bool] = []  # per timed step: did a tail flush in it
@@ -158,7 +154,7 @@ class Arm:
 
     def build(self, args, model, prompts) -> None:
         self.model = model
-        with self.environment():
+        with self.flat():
             if self.name == "kiviq":
                 self._step = engine_steps(args, model, prompts, self.flushes, self.history,
                                           bits=int(self.opts.get("bits", args.bits)),
@@ -171,16 +167,12 @@ class Arm:
             else:
                 self._step = batchgen_steps(args, model, prompts, self.history)
 
-    @contextlib.contextmanager
-    def environment(self):
-        """This arm's environment variables (and flat quantized matmuls) while it
-        builds and steps."""
-        flat = flat_quantized_matmuls(self.model) if self.flat_qmm else contextlib.nullcontext()
-        with mock.patch.dict(os.environ, self.env), flat:
-            yield
+    def flat(self):
+        """This arm's flat quantized matmuls (or none) while it builds and steps."""
+        return flat_quantized_matmuls(self.model) if self.flat_qmm else contextlib.nullcontext()
 
     def timed_steps(self, n: int) -> None:
-        with self.environment():
+        with self.flat():
             mx.synchronize()
             for _ in range(n):
                 flushes = len(self.flushes)

@@ -41,27 +41,6 @@ def _same(a: list[Sequence], b: list[Sequence]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
-class _StoreCounts:
-    """The scheduler's view of the store (counts only)."""
-
-    def __init__(self, store: KiviStore):
-        self.store = store
-
-    @property
-    def free_blocks(self) -> int:
-        return self.store.free_blocks
-
-    @property
-    def free_slots(self) -> int:
-        return self.store.free_slots
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return self.store.blocks_needed(num_tokens)
-
-    def blocks_held(self, seq: Sequence) -> int:
-        return len(seq.kv.block_ids) if seq.kv is not None else 0
-
-
 class Engine:
     """Batch generation over a KiviStore.
 
@@ -83,16 +62,16 @@ class Engine:
                  max_batch_tokens: int = 1024, reserve_tokens: int = 64, pipeline: bool = False,
                  compile_decode: bool = False):
         self.model = model
+        self.config = None  # the EngineConfig it was built from, if build_engine built it
         # Optional: steady decoding overlaps host and device (step n+1's graph is
         # built on step n's sampled tokens, still on the device, and step n's events
         # are emitted while it runs, as mlx-lm's generate_step does for one request).
-        # Off by default: on the H200 it measured no gain (docs/benchmarks.md).
         self.pipeline = pipeline
         self._inflight: tuple[list[Sequence], Sampled] | None = None
         self.tokenizer = tokenizer
         self.kv_store = store
         self.runner = ModelRunner(model, store, compile_decode=compile_decode)
-        self.scheduler = Scheduler(_StoreCounts(store), max_batch_tokens, reserve_tokens)
+        self.scheduler = Scheduler(store.blocks, max_batch_tokens, reserve_tokens)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.stats = {"decode_tokens": 0, "prefill_tokens": 0, "preemptions": 0, "steps": 0,
@@ -101,7 +80,7 @@ class Engine:
     @property
     def capacity(self) -> int:
         """Sequences the engine can hold at once."""
-        return self.kv_store.num_slots
+        return self.kv_store.blocks.num_slots
 
     @property
     def num_active(self) -> int:
@@ -145,7 +124,7 @@ class Engine:
         for seq, reason in plan.fail:
             events.append(self._end(seq, [], "", "error", reason))
         for seq in plan.admit:
-            seq.kv = self.kv_store.new_sequence()
+            seq.kv = self.kv_store.blocks.allocate()
         if plan.decode:
             events += self._decode(plan.decode)
         # Short whole prompts of new sequences share one (right-padded) forward,
@@ -199,7 +178,7 @@ class Engine:
         worth of new blocks must be free).
         """
         return (all(s.runtime.row.params.repetition_penalty == 1.0 for s in seqs)
-                and self.kv_store.free_blocks >= 2 * self.kv_store.config.flush_blocks * len(seqs))
+                and self.kv_store.blocks.free_blocks >= 2 * self.kv_store.config.flush_blocks * len(seqs))
 
     def _steady(self) -> bool:
         """The next step decodes exactly the in-flight sequences and nothing
@@ -253,7 +232,7 @@ class Engine:
             log.warning("batched prefill failed (%s); prefilling one by one", e)
             for s in seqs:
                 self._release(s)
-                s.kv = self.kv_store.new_sequence()
+                s.kv = self.kv_store.blocks.allocate()
                 s.prefilled = 0
             return [ev for s in seqs for ev in self._prefill(s, s.num_tokens)]
         events = []
@@ -308,5 +287,5 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         if seq.kv is not None:
-            self.kv_store.release(seq.kv)
+            self.kv_store.blocks.free(seq.kv)
             seq.kv = None

@@ -3,9 +3,8 @@ explicit state.
 
 Why: at small batches a decode step is host-bound. Building the step's graph
 op by op in Python (the model, then per layer the tail writes and the
-attention launches) took 5.5 ms of a ~10 ms B=1 step on the H200
-(docs/benchmarks.md, session 6); a compiled function replays a recorded
-graph instead, and fuses chains of elementwise ops.
+attention launches) is about half of a B=1 step; a compiled function replays
+a recorded graph instead, and fuses chains of elementwise ops.
 
 What a compiled step may depend on: everything that differs between steps
 must be an input. Here that is the tokens, the RoPE offsets, the step's
@@ -23,8 +22,7 @@ batch size or the block-table width changes.
 A trace costs a plain build plus the compile passes, so a shape is only
 compiled once it repeats: the first step of a new (batch size, table width)
 runs plain, the second traces, later ones replay. At B=1 the table widens
-every G tokens: one plain step and one trace per G steps (on the H200 the
-pair cost ~40 ms, ~1.4 ms per step of the mean at G=32);
+every G tokens: one plain step and one trace per G steps;
 ``KiviStore.table_width_multiple`` widens the table in larger steps (the
 engine's builder sets 32 columns when it compiles). The last ``MAX_SHAPES``
 traced shapes are kept: under continuous batching the batch size moves back

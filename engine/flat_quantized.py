@@ -4,31 +4,23 @@ A decode step feeds the model [B, 1, K] activations. MLX's CUDA quantized matmul
 (mlx/backend/cuda/quantized/quantized.cpp, 0.32) takes M from the second-to-last
 axis and treats the leading axes as a batch: M = 1 with B = 32 problems, so from
 B = 8 up it launches a batched qmm (`qmm_sm80`: grid z = B) whose every problem
-reads the whole weight matrix again. On the H200 a Qwen3-4B-shaped decode step
-with 4-bit weights took ~55 ms at B = 32 against ~12 ms with bf16 weights, in
-kiviq and in BatchGenerator alike (docs/benchmarks.md, session 10). Reshaping the
-activations to [B * L, K] first makes the same call one GEMM with M = B * L, and
-the weights are read once.
+reads the whole weight matrix again. Reshaping the activations to [B * L, K]
+first makes the same call one GEMM with M = B * L, and the weights are read once.
 
 The reshape is free (the activations are row-contiguous), and the rows' results
 are the same dot products. It is applied by swapping the class of each quantized
 module (the instances keep their arrays), so it can be undone and never copies
-weights. On by default: on the H200 a Qwen3-4B-shaped, 4-bit-weight decode step at
-B = 32 went from 64.4 to 26.4 ms (median), with the same tokens (docs/benchmarks.md,
-session 11). `KIVIQ_FLAT_QMM=0` or `build_engine(flat_qmm=False)` leaves the model
-as it is.
+weights. On by default (same tokens); `EngineConfig(flat_qmm=False)` leaves the
+model as it is.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
-
-FLAT_QMM_ENV = "KIVIQ_FLAT_QMM"
 
 
 def _rows(x: mx.array) -> mx.array:
@@ -86,13 +78,3 @@ def flat_quantized_matmuls(model: nn.Module) -> Iterator[int]:
     finally:
         _swap(swapped, _PLAIN)
 
-
-def flat_qmm_requested(flag: bool | None = None) -> bool:
-    """`flag` if given, else `KIVIQ_FLAT_QMM` (1/0; default 1). Anything else is an error,
-    so a typo cannot silently run the other arm of an A/B."""
-    if flag is not None:
-        return flag
-    value = os.environ.get(FLAT_QMM_ENV, "1").strip().lower()
-    if value not in ("0", "1", "false", "true", ""):
-        raise ValueError(f"{FLAT_QMM_ENV} must be 1 or 0, got {value!r}")
-    return value not in ("0", "false")

@@ -2,10 +2,10 @@
 
 mlx-lm attention layers call ``cache.update_and_fetch(keys, values)`` and then
 ``scaled_dot_product_attention(q, k, v, cache=cache, ...)`` from
-``mlx_lm.models.base``. ``install_attention_hook`` routes the latter to
-``KiviLayerCache.attend`` when the cache is ours (and to the stock function
-otherwise), so llama, qwen2, qwen3, mistral and other families that use the
-shared helper run unchanged:
+``mlx_lm.models.base``. ``AttentionHook`` (entered by the model runner around
+each forward) routes the latter to ``KiviLayerCache.attend`` when the cache is
+ours (and to the stock function otherwise), so llama, qwen2, qwen3, mistral and
+other families that use the shared helper run unchanged:
 
 - prefill (L > 1): full-precision fused SDPA over the committed past
   (dequantized blocks + fp16 tail) and the fresh chunk; the chunk is quantized
@@ -20,13 +20,12 @@ shared helper run unchanged:
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_lm_base
 
+from kiviq.engine.block_manager import blocks_for_budget
 from kiviq.engine.kv_store import DecodeBatch, KiviStore, KVConfig, SequenceKV
 
 _stock_sdpa = mlx_lm_base.scaled_dot_product_attention
@@ -62,7 +61,7 @@ class KiviLayerCache:
         # Nothing is stored yet: `attend` decides the order of writes and reads.
         if self._pending is not None:
             raise RuntimeError(
-                "KIVI cache: attention did not go through kiviq's hook (install_attention_hook); "
+                "KIVI cache: attention did not go through kiviq's hook (AttentionHook); "
                 "this model family computes attention itself and is not supported")
         self._pending = (keys, values)
         return keys, values
@@ -139,13 +138,32 @@ def kiviq_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
     return _stock_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
-def install_attention_hook() -> None:
-    """Route mlx-lm's shared attention helper through ``kiviq_sdpa`` in every
-    loaded model module (and in ``base``, for modules imported later)."""
-    mlx_lm_base.scaled_dot_product_attention = kiviq_sdpa
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is _stock_sdpa:
-            module.scaled_dot_product_attention = kiviq_sdpa
+class AttentionHook:
+    """Routes mlx-lm's shared attention helper through ``kiviq_sdpa`` while entered.
+
+    Patches only the modules of ``model``'s own layers (and ``base``) that use
+    the stock helper, and restores them on exit; re-entrant.
+    """
+
+    def __init__(self, model: nn.Module):
+        names = {type(m).__module__ for _, m in model.named_modules()} | {mlx_lm_base.__name__}
+        self._modules = [sys.modules[n] for n in sorted(names)
+                         if n in sys.modules and getattr(sys.modules[n], "scaled_dot_product_attention", None)
+                         is _stock_sdpa]
+        self._depth = 0
+
+    def __enter__(self) -> "AttentionHook":
+        if self._depth == 0:
+            for module in self._modules:
+                module.scaled_dot_product_attention = kiviq_sdpa
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            for module in self._modules:
+                module.scaled_dot_product_attention = _stock_sdpa
 
 
 def attention_shape(model: nn.Module) -> tuple[int, int, int]:
@@ -170,7 +188,8 @@ def default_kv_memory() -> int:
 
 
 def make_store(model: nn.Module, config: KVConfig, *, kv_memory: int | None = None,
-               max_sequences: int = 8, context: int | None = None, dtype: mx.Dtype | None = None) -> KiviStore:
+               max_sequences: int = 8, context: int | None = None, dtype: mx.Dtype | None = None,
+               use_kernel: bool | None = None) -> KiviStore:
     """A store for ``model`` whose pools and tails fit in ``kv_memory`` bytes,
     and no larger than ``max_sequences`` sequences of ``context`` tokens need.
 
@@ -178,20 +197,19 @@ def make_store(model: nn.Module, config: KVConfig, *, kv_memory: int | None = No
         ValueError: the budget cannot hold the tails plus one full-context
             sequence's worth of blocks.
     """
-    install_attention_hook()
     layers, n_kv, head_dim = attention_shape(model)
     if dtype is None:
         dtype = model_dtype(model)
     budget = kv_memory if kv_memory is not None else default_kv_memory()
     probe = KiviStore(layers, n_kv, head_dim, config=config, num_blocks=1, num_slots=1, dtype=dtype)
-    num_blocks = (budget - max_sequences * probe.slot_bytes) // probe.block_bytes
-    if context is not None:
-        num_blocks = min(num_blocks, max_sequences * -(-context // config.group_size))
+    sizes = probe.blocks
+    num_blocks = blocks_for_budget(budget, block_bytes=sizes.block_bytes, slot_bytes=sizes.slot_bytes,
+                                   max_sequences=max_sequences, group_size=config.group_size, context=context)
     if num_blocks < 1:
         raise ValueError(f"kv_memory={budget} bytes cannot hold {max_sequences} sequence tails "
-                         f"({probe.slot_bytes} bytes each) plus any quantized block")
-    return KiviStore(layers, n_kv, head_dim, config=config, num_blocks=int(num_blocks),
-                     num_slots=max_sequences, dtype=dtype)
+                         f"({sizes.slot_bytes} bytes each) plus any quantized block")
+    return KiviStore(layers, n_kv, head_dim, config=config, num_blocks=num_blocks,
+                     num_slots=max_sequences, dtype=dtype, use_kernel=use_kernel)
 
 
 def model_dtype(model: nn.Module) -> mx.Dtype:
@@ -206,17 +224,14 @@ def model_dtype(model: nn.Module) -> mx.Dtype:
 
 class KiviSequenceCache(list):
     """The per-layer caches of one sequence (a list, as mlx-lm expects), plus
-    ``release()`` to give its blocks back."""
+    ``release()`` to give its blocks back. Its forwards must run inside the
+    model's ``AttentionHook``."""
 
     def __init__(self, store: KiviStore):
         self.store = store
-        self.sequence = store.new_sequence()
+        self.sequence = store.blocks.allocate()
         super().__init__(KiviLayerCache(store, i, [self.sequence]) for i in range(store.num_layers))
 
     def release(self) -> None:
-        self.store.release(self.sequence)
+        self.store.blocks.free(self.sequence)
 
-
-def kivi_cache_factory(store: KiviStore) -> Callable[[Any], KiviSequenceCache]:
-    """A ``make_cache(model)`` for the engine that draws from ``store``."""
-    return lambda model: KiviSequenceCache(store)

@@ -1,9 +1,9 @@
-"""The paged KIVI KV store: per-layer pools, block/slot allocation, and the
-per-step writes and reads of every sequence.
+"""The paged KIVI KV store: per-layer pools and the per-step writes and reads
+of every sequence.
 
 One store serves one model. Each layer owns a ``KiviPool`` (kernels/layout.py);
-a sequence owns a tail slot and a list of block ids shared by all layers (block
-``j`` of a sequence holds its tokens ``j*G .. j*G+G-1`` in every layer).
+which sequence owns which block and slot is the block manager's business
+(engine/block_manager.py, ``KiviStore.blocks``).
 
 Write/read order matters for memory (measured, kernels/kivi_reference.py): MLX
 updates a pool array in place only when no pending computation still reads it.
@@ -23,8 +23,9 @@ import contextlib
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import numpy as np
 
+from kiviq.engine.block_manager import BlockManager, OutOfKVMemory, SequenceKV
+from kiviq.engine.config import KVConfig
 from kiviq.kernels import (
     KiviPool,
     allocate_pool,
@@ -36,64 +37,9 @@ from kiviq.kernels import (
     quantize_value_blocks,
     tokens_to_blocks,
 )
-from kiviq.kernels.dispatch import attend_plan, decode_attend, flush_layers, writes_tail
+from kiviq.kernels.dispatch import attend_plan, flush_layers, writes_tail
 
-
-@dataclass(frozen=True, slots=True)
-class KVConfig:
-    """KIVI parameters: bits b, group size G, residual length R, and k, the
-    blocks quantized per flush.
-
-    A sequence's fp16 tail flushes when it reaches R + k*G tokens: its oldest
-    k*G tokens become k blocks, so past its first R tokens the tail holds R to
-    R + k*G - 1 tokens. k = 1 is DESIGN.md's rule. A flush costs the same graph
-    nodes per layer whatever the number of blocks (one quantize and the
-    scatters, for every flushing sequence at once), and with B sequences of
-    unrelated lengths some sequence flushes in most steps when k = 1; k > 1
-    makes each sequence flush k times less often. When a sequence flushes
-    depends only on its own length, so a batch still decodes exactly as its
-    sequences would alone. Each tail holds (k - 1) * G more rows.
-    """
-
-    bits: int = 4
-    group_size: int = 32
-    residual: int = 128
-    flush_blocks: int = 1
-
-    def __post_init__(self):
-        check_layout(self.bits, self.group_size)
-        if self.residual < self.group_size or self.residual % self.group_size:
-            raise ValueError(f"residual ({self.residual}) must be a positive multiple of group_size")
-        if self.flush_blocks < 1:
-            raise ValueError(f"flush_blocks ({self.flush_blocks}) must be >= 1")
-
-    @property
-    def flush_tokens(self) -> int:
-        """Tokens one flush quantizes: k * G."""
-        return self.flush_blocks * self.group_size
-
-
-class OutOfKVMemory(RuntimeError):
-    """No free block or slot is left in the store."""
-
-
-@dataclass(eq=False)
-class SequenceKV:
-    """One sequence's place in the store."""
-
-    slot: int
-    num_layers: int
-    block_ids: list[int] = field(default_factory=list)
-    tail_lens: list[int] = field(default_factory=list)  # per layer
-    blocks_used: list[int] = field(default_factory=list)  # per layer
-
-    def __post_init__(self):
-        self.tail_lens = [0] * self.num_layers
-        self.blocks_used = [0] * self.num_layers
-
-    def offset(self, layer: int, group_size: int) -> int:
-        """Tokens committed in ``layer``."""
-        return self.blocks_used[layer] * group_size + self.tail_lens[layer]
+__all__ = ["DecodeBatch", "KVConfig", "KiviStore", "OutOfKVMemory", "SequenceKV"]
 
 
 @dataclass(eq=False, slots=True)
@@ -122,7 +68,7 @@ class DecodeBatch:
 
 
 class KiviStore:
-    """Pools for every layer plus the allocator of their blocks and slots.
+    """Pools for every layer; ``blocks`` (a BlockManager) allocates their blocks and slots.
 
     Args:
         num_layers, num_kv_heads, head_dim: the model's attention shape.
@@ -131,14 +77,17 @@ class KiviStore:
         num_slots: tails, i.e. the most sequences held at once.
         dtype: dtype of the tails (the model's activations); scales and zeros
             are bf16 for a bf16 model, else fp16.
+        use_kernel: passed to every kernels.dispatch call (None: the kernel where
+            it runs; False: the reference).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, config: KVConfig,
-                 num_blocks: int, num_slots: int, dtype: mx.Dtype = mx.float16):
+                 num_blocks: int, num_slots: int, dtype: mx.Dtype = mx.float16, use_kernel: bool | None = None):
         check_layout(config.bits, config.group_size, head_dim)
         self.config = config
         self.num_layers = num_layers
         self.dtype = dtype
+        self.use_kernel = use_kernel
         self.pools: list[KiviPool] = []
         for _ in range(num_layers):
             # Tails of R + k*G rows (allocate_pool gives residual + G).
@@ -152,18 +101,18 @@ class KiviStore:
                                 pool.tail_k.astype(dtype), pool.tail_v.astype(dtype))
             self.pools.append(pool)
         mx.eval(self.pools)
-        self._free_blocks = list(range(num_blocks - 1, -1, -1))
-        self._free_slots = list(range(num_slots - 1, -1, -1))
-        # Block tables by slot, kept as blocks are allocated: a step's table is
-        # one gather of rows (a nested list -> array costs ~100 us at B=32, 4k).
-        self._tables = np.zeros((num_slots, min(num_blocks, 64)), dtype=np.int32)
-        self.num_blocks, self.num_slots = num_blocks, num_slots
+        p0 = self.pools[0]
+        self.blocks = BlockManager(
+            num_blocks, num_slots, num_layers=num_layers, group_size=config.group_size,
+            residual=config.residual, flush_blocks=config.flush_blocks,
+            block_bytes=num_layers * sum(a.nbytes // num_blocks for a in p0[:6]),
+            slot_bytes=num_layers * (p0.tail_k.nbytes + p0.tail_v.nbytes) // num_slots)
         # Decode block tables are this many columns wide, rounded up (1: exactly
         # the longest sequence's blocks). A compiled decode step is retraced
         # whenever the width changes (engine.compiled_decode), i.e. every G
         # tokens of the longest sequence at width multiple 1; columns past a
-        # sequence's blocks are never read. For A/B runs (benchmarks/step_trace.py
-        # --arm kiviq,table=N): a wider table also changes the kernel's split plan.
+        # sequence's blocks are never read. A wider table also changes the
+        # kernel's split plan.
         self.table_width_multiple = 1
         # Whether the last decode step's attention wrote the tails itself (the CUDA
         # kernel, dispatch.writes_tail): then a flush need not wait for the device,
@@ -172,70 +121,18 @@ class KiviStore:
         # A flush was left running on the device (its kernels still reference the
         # pools): scatters into the pools must wait for it, or MLX copies the arrays.
         self._unsettled = False
-        p0 = self.pools[0]
-        self.block_bytes = num_layers * sum(a.nbytes // num_blocks for a in p0[:6])
-        self.slot_bytes = num_layers * (p0.tail_k.nbytes + p0.tail_v.nbytes) // num_slots
-
-    # ---- allocation ------------------------------------------------------
-
-    @property
-    def free_blocks(self) -> int:
-        return len(self._free_blocks)
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free_slots)
 
     def used_bytes(self) -> int:
-        """Bytes of blocks and tails currently owned by sequences."""
-        return ((self.num_blocks - self.free_blocks) * self.block_bytes
-                + (self.num_slots - self.free_slots) * self.slot_bytes)
+        """Bytes of blocks and tails owned by sequences (the worker's KV metrics)."""
+        return self.blocks.used_bytes()
 
     def budget_bytes(self) -> int:
         """Bytes of all blocks and tails the store owns."""
-        return self.num_blocks * self.block_bytes + self.num_slots * self.slot_bytes
+        return self.blocks.budget_bytes()
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks a sequence of ``num_tokens`` tokens holds (the rest is in its tail)."""
-        g, r, kg = self.config.group_size, self.config.residual, self.config.flush_tokens
-        return 0 if num_tokens < r + kg else (num_tokens - r) // kg * (kg // g)
-
-    def new_sequence(self) -> SequenceKV:
-        if not self._free_slots:
-            raise OutOfKVMemory("no free KV slot")
-        return SequenceKV(self._free_slots.pop(), self.num_layers)
-
-    def release(self, seq: SequenceKV) -> None:
-        """Give a sequence's blocks and slot back (idempotent)."""
-        if seq.slot < 0:
-            return
-        self._free_blocks.extend(reversed(seq.block_ids))
-        self._free_slots.append(seq.slot)
-        self._tables[seq.slot] = 0
-        seq.block_ids, seq.slot = [], -1
-
-    def _block_for(self, seq: SequenceKV, index: int) -> int:
-        """Block id of the sequence's ``index``-th block, allocating the first
-        time any layer reaches it."""
-        if index == len(seq.block_ids):
-            if not self._free_blocks:
-                raise OutOfKVMemory("KV pool is full: no free block")
-            seq.block_ids.append(self._free_blocks.pop())
-            if index >= self._tables.shape[1]:
-                grown = np.zeros((self.num_slots, max(index + 1, 2 * self._tables.shape[1])), dtype=np.int32)
-                grown[:, : self._tables.shape[1]] = self._tables
-                self._tables = grown
-            self._tables[seq.slot, index] = seq.block_ids[index]
-        return seq.block_ids[index]
-
-    def _block_tables(self, seqs: list[SequenceKV], num_blocks: list[int]) -> mx.array:
+    def block_tables(self, seqs: list[SequenceKV], num_blocks: list[int]) -> mx.array:
         """int32 [B, W] (see DecodeBatch): each sequence's block ids, zeros after."""
-        m = self.table_width_multiple
-        width = -(-max(1, max(num_blocks)) // m) * m
-        rows = self._tables[[s.slot for s in seqs], :width]
-        if rows.shape[1] < width:
-            rows = np.pad(rows, ((0, 0), (0, width - rows.shape[1])))
-        return mx.array(rows)
+        return mx.array(self.blocks.block_tables(seqs, num_blocks, self.table_width_multiple))
 
     # ---- writes ----------------------------------------------------------
 
@@ -262,7 +159,7 @@ class KiviStore:
         pool = self.pools[layer]
         t_old, n_new = seq.tail_lens[layer], k.shape[1]
         total = t_old + n_new
-        n_flush = self.blocks_needed(total)  # the tail's tokens follow the same rule
+        n_flush = self.blocks.blocks_needed(total)  # the tail's tokens follow the same rule
         if n_flush == 0:
             pool.tail_k[seq.slot, :, t_old:total] = k.astype(pool.tail_k.dtype)
             pool.tail_v[seq.slot, :, t_old:total] = v.astype(pool.tail_v.dtype)
@@ -274,7 +171,7 @@ class KiviStore:
         all_v = mx.concatenate([pool.tail_v[seq.slot, :, :t_old], v.astype(pool.tail_v.dtype)], axis=1)
         mx.eval(all_k, all_v)
         first = seq.blocks_used[layer]
-        ids = [self._block_for(seq, first + i) for i in range(n_flush)]
+        ids = [self.blocks.block(seq, first + i) for i in range(n_flush)]
         cut = n_flush * g
         self._write_blocks(pool, ids, tokens_to_blocks(all_k[:, :cut], g), tokens_to_blocks(all_v[:, :cut], g))
         pool.tail_k[seq.slot, :, : total - cut] = all_k[:, cut:]
@@ -299,7 +196,7 @@ class KiviStore:
             layer: prepare only this layer (the batch then serves it alone).
 
         Returns:
-            The step's DecodeBatch, for ``write_decode`` and ``attend_decode``.
+            The step's DecodeBatch, for ``write_and_attend``.
         """
         g, r, kb = self.config.group_size, self.config.residual, self.config.flush_blocks
         n = self.num_layers
@@ -311,11 +208,12 @@ class KiviStore:
                     raise RuntimeError("a batched decode step needs every layer of a sequence to hold the same tokens")
         full = [i for i, (t, _) in enumerate(before) if t == r + kb * g - 1]
         if full:
-            ids = [self._block_for(seqs[i], before[i][1] + j) for i in full for j in range(kb)]
+            ids = [self.blocks.block(seqs[i], before[i][1] + j) for i in full for j in range(kb)]
             pools = self.pools if layer is None else [self.pools[layer]]
             wait = not self._kernel_writes_tails
             flush_layers(pools, [seqs[i].slot for i in full], ids, [r + kb * g - 1] * len(full),
-                         bits=self.config.bits, group_size=g, blocks_per_slot=kb, wait=wait)
+                         bits=self.config.bits, group_size=g, blocks_per_slot=kb, wait=wait,
+                         use_kernel=self.use_kernel)
             self._unsettled = not wait
         tails, blocks = [t + 1 for t, _ in before], [nb for _, nb in before]
         for i in full:
@@ -335,7 +233,7 @@ class KiviStore:
         return DecodeBatch(
             seqs,
             slots=slots,
-            block_tables=self._block_tables(seqs, blocks),
+            block_tables=self.block_tables(seqs, blocks),
             num_blocks=mx.array(blocks, dtype=mx.int32),
             tail_lens=mx.array(tails, dtype=mx.int32),
             offsets=offsets[0] if len(offsets) == 1 else mx.array(offsets, dtype=mx.int32),
@@ -344,7 +242,7 @@ class KiviStore:
 
     @contextlib.contextmanager
     def using_pools(self, pools: list[KiviPool]):
-        """Run the per-layer decode methods (``write_decode``, ``attend_decode``)
+        """Run the per-layer decode methods (``write_decode``, ``write_and_attend``)
         on stand-in pools: ``mx.compile``'s traced arrays (engine.compiled_decode)."""
         saved, self.pools = self.pools, pools
         try:
@@ -368,30 +266,11 @@ class KiviStore:
         pool.tail_k[batch.write_index] = _as(k, pool.tail_k.dtype)
         pool.tail_v[batch.write_index] = _as(v, pool.tail_v.dtype)
 
-    def append_decode(self, layer: int, seqs: list[SequenceKV], k: mx.array, v: mx.array) -> None:
-        """Commit one new token per sequence to ``layer`` alone: k, v [B, H_kv, D].
-
-        A tail holds at most R + k*G - 1 tokens between steps; one that would
-        reach R + k*G flushes its oldest k*G tokens into k new blocks.
-        """
-        self.write_decode(layer, self.begin_decode(seqs, layer), k, v)
-
     # ---- reads -----------------------------------------------------------
-
-    def attend_decode(self, layer: int, batch: DecodeBatch, q: mx.array, scale: float) -> mx.array:
-        """``decode_attend`` for a step prepared by ``begin_decode`` (its tokens written).
-
-        Args:
-            q: [B, H_q, D], or the model's [B, H_q, 1, D].
-
-        Returns:
-            q's shape.
-        """
-        return self._plan(layer, batch, q, scale)[0](q, self.pools[layer])
 
     def write_and_attend(self, layer: int, batch: DecodeBatch, q: mx.array, k: mx.array, v: mx.array,
                          scale: float) -> mx.array:
-        """``write_decode`` then ``attend_decode``, for one layer of a step. Where the
+        """``write_decode`` then the step's attention, for one layer of a step. Where the
         attention kernel writes the tails itself (CUDA: ``dispatch.writes_tail``), the
         new tokens go with its launch and no scatter is built (two graph nodes per
         layer and step, and no in-place condition to keep).
@@ -417,7 +296,8 @@ class KiviStore:
         if made is None:
             plan = attend_plan(
                 q.shape, q.dtype, self.pools[layer], batch.block_tables, batch.num_blocks, batch.slots,
-                batch.tail_lens, scale=scale, bits=self.config.bits, group_size=self.config.group_size)
+                batch.tail_lens, scale=scale, bits=self.config.bits, group_size=self.config.group_size,
+                use_kernel=self.use_kernel)
             made = batch.plans[key] = (plan, writes_tail(plan))
         return made
 
@@ -436,25 +316,6 @@ class KiviStore:
         v = blocks_to_tokens(dequantize_value_blocks(pool.v_codes[idx], pool.v_scales[idx], pool.v_zeros[idx],
                                                      bits=bits, dtype=dt))
         return mx.concatenate([k, tail_k], axis=1), mx.concatenate([v, tail_v], axis=1)
-
-    def decode_attend(self, layer: int, seqs: list[SequenceKV], q: mx.array, scale: float) -> mx.array:
-        """Attention of one new query per sequence over its blocks and tail.
-
-        Args:
-            q: [B, H_q, D], the sequences' current tokens already committed.
-
-        Returns:
-            [B, H_q, D].
-        """
-        blocks = [s.blocks_used[layer] for s in seqs]
-        return decode_attend(
-            q, self.pools[layer],
-            self._block_tables(seqs, blocks),
-            mx.array(blocks, dtype=mx.int32),
-            mx.array([s.slot for s in seqs], dtype=mx.int32),
-            mx.array([s.tail_lens[layer] for s in seqs], dtype=mx.int32),
-            scale=scale, bits=self.config.bits, group_size=self.config.group_size,
-        )
 
 
 def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:

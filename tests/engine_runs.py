@@ -22,3 +22,25 @@ def run_engine(engine, requests, join_every: int = 0) -> dict[str, list[int]]:
             out[ev.request_id] += ev.token_ids
         step += 1
     return out
+
+
+class NullDetokenizer:
+    """Random weights have no text: the engines only need token ids."""
+
+    last_segment = ""
+
+    def add_token(self, token):
+        pass
+
+    def finalize(self):
+        pass
+
+
+class IdTokenizer:
+    """A tokenizer stand-in for runs on token ids alone (random-weight models)."""
+
+    eos_token_ids: set = set()
+
+    @property
+    def detokenizer(self):
+        return NullDetokenizer()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kiviq.engine import Engine, Request, SamplingParams
-from kiviq.engine.kivi_cache import attention_shape, install_attention_hook, model_dtype
+from kiviq.engine.kivi_cache import attention_shape, model_dtype
 from kiviq.engine.kv_store import KiviStore, KVConfig
 from engine_runs import run_engine as run
 
@@ -19,7 +19,6 @@ TEXT = ("The old lighthouse keeper climbed the spiral stairs every evening, coun
 
 def make_engine(model, tok, *, blocks=256, slots=16, reserve_tokens=64, max_batch_tokens=256,
                 pipeline=True, config=KV, compile_decode=False) -> Engine:
-    install_attention_hook()
     layers, h_kv, d = attention_shape(model)
     store = KiviStore(layers, h_kv, d, config=config, num_blocks=blocks, num_slots=slots, dtype=model_dtype(model))
     return Engine(model, tok, store, max_batch_tokens=max_batch_tokens, reserve_tokens=reserve_tokens,
@@ -37,7 +36,7 @@ def test_batch_equals_single(smollm2):
     reqs = lambda: [Request(f"r{i}", ps[i], max_tokens=3 + i) for i in range(12)]
     engine = make_engine(model, tok)
     batched = run(engine, reqs(), join_every=2)  # join (and leave) mid-run
-    assert engine.kv_store.used_bytes() == 0
+    assert engine.kv_store.blocks.used_bytes() == 0
     for req in reqs():
         alone = run(make_engine(model, tok), [req])
         assert batched[req.request_id] == alone[req.request_id], req.request_id
@@ -54,7 +53,7 @@ def test_batch_equals_single_with_multi_block_flushes(smollm2):
     reqs = lambda: [Request(f"r{i}", ps[i], max_tokens=50 + 3 * i) for i in range(4)]
     engine = make_engine(model, tok, config=config)
     batched = run(engine, reqs(), join_every=2)
-    assert engine.kv_store.used_bytes() == 0
+    assert engine.kv_store.blocks.used_bytes() == 0
     for req in reqs():
         assert batched[req.request_id] == run(make_engine(model, tok, config=config), [req])[req.request_id]
 
@@ -73,7 +72,7 @@ def _drive(engine, pending, abort=("g0", 14)):
             tokens, text, reason = out.get(ev.request_id, ([], "", None))
             out[ev.request_id] = (tokens + ev.token_ids, text + ev.text, ev.finish_reason or reason)
         step += 1
-    assert engine.kv_store.used_bytes() == 0
+    assert engine.kv_store.blocks.used_bytes() == 0
     return out
 
 
@@ -245,7 +244,7 @@ def test_preemption_completes_everything_correctly(smollm2):
     engine = make_engine(model, tok, blocks=7, slots=8, reserve_tokens=0)
     batched = run(engine, reqs())
     assert engine.stats["preemptions"] > 0
-    assert engine.kv_store.used_bytes() == 0
+    assert engine.kv_store.blocks.used_bytes() == 0
     for req in reqs()[-3:]:  # the newest are the ones preempted
         assert batched[req.request_id] == run(make_engine(model, tok), [req])[req.request_id]
 
@@ -264,8 +263,8 @@ def test_stop_string_eos_max_tokens_and_abort(smollm2):
         for ev in engine.step():
             texts[ev.request_id] = texts.get(ev.request_id, "") + ev.text
             reasons[ev.request_id] = ev.finish_reason
-    held = engine.kv_store.used_bytes()
-    assert engine.abort("abort") and engine.kv_store.used_bytes() < held  # freed at once
+    held = engine.kv_store.blocks.used_bytes()
+    assert engine.abort("abort") and engine.kv_store.blocks.used_bytes() < held  # freed at once
     while engine.has_work():
         for ev in engine.step():
             texts[ev.request_id] = texts.get(ev.request_id, "") + ev.text
@@ -274,7 +273,7 @@ def test_stop_string_eos_max_tokens_and_abort(smollm2):
     assert reasons["stop"] == "stop" and "France is" not in texts["stop"]
     assert texts["eos"].startswith(texts["stop"])
     assert reasons["len"] == "length"
-    assert engine.kv_store.used_bytes() == 0 and not engine.abort("abort")
+    assert engine.kv_store.blocks.used_bytes() == 0 and not engine.abort("abort")
 
 
 def test_request_too_large_for_store_fails_alone(smollm2):
@@ -394,3 +393,18 @@ def test_wider_block_tables_change_no_token(smollm2):
         engine.kv_store.table_width_multiple = 8
         assert run(engine, reqs(), join_every=2) == plain
     assert engine.runner.compiled.stats["compiled"] > 20
+
+
+def test_engine_config_names_the_bad_field():
+    from kiviq.engine.config import EngineConfig
+
+    for bad, field in ((dict(kv_bits=3), "kv_bits"), (dict(kv_residual=40), "kv_residual"),
+                       (dict(kv_flush_blocks=0), "kv_flush_blocks"), (dict(max_sequences=0), "max_sequences"),
+                       (dict(max_batch_tokens=0), "max_batch_tokens"), (dict(kv_memory=0), "kv_memory"),
+                       (dict(use_kernel=True), "use_kernel"), (dict(kv_group_size=7, kv_residual=14), "kv_group_size")):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**bad)
+    config = EngineConfig(kv_bits=2, kv_group_size=16, kv_residual=32, kv_flush_blocks=2)
+    assert config.kv == KVConfig(2, 16, 32, 2)
+    with pytest.raises(AttributeError):
+        config.kv_bits = 4  # frozen

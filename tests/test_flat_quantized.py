@@ -1,6 +1,6 @@
 """Quantized matmuls over all rows at once (engine.flat_quantized): every matmul of a
-batched step is 2-D, the logits and the engine's tokens are the same, the swap
-is undone exactly, and the switch is validated."""
+batched step is 2-D, the logits and the engine's tokens are the same, and the swap
+is undone exactly."""
 
 from __future__ import annotations
 
@@ -10,12 +10,10 @@ import numpy as np
 import pytest
 from mlx_lm.utils import _get_classes
 
-from benchmarks.engine import IdTokenizer
 from kiviq.engine import Request, build_engine
-from kiviq.engine.flat_quantized import (FLAT_QMM_ENV, FlatQuantizedEmbedding, FlatQuantizedLinear,
-                                   flat_qmm_requested, flat_quantized_matmuls,
-                                   flatten_quantized_matmuls, restore_quantized_matmuls)
-from tests.engine_runs import run_engine
+from kiviq.engine.flat_quantized import (FlatQuantizedEmbedding, FlatQuantizedLinear, flat_quantized_matmuls,
+                                         flatten_quantized_matmuls, restore_quantized_matmuls)
+from tests.engine_runs import IdTokenizer, run_engine
 
 CONFIG = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512,
@@ -103,18 +101,3 @@ def test_the_engine_gives_the_same_tokens_with_flat_matmuls(monkeypatch, compile
     assert got == want
     assert seen and all(len(s) == 2 for s in seen)
 
-
-def test_the_switch_reads_the_environment_and_rejects_typos(monkeypatch):
-    monkeypatch.delenv(FLAT_QMM_ENV, raising=False)
-    assert flat_qmm_requested() is True  # the default
-    monkeypatch.setenv(FLAT_QMM_ENV, "0")
-    assert flat_qmm_requested() is False
-    assert flat_qmm_requested(True) is True
-    monkeypatch.setenv(FLAT_QMM_ENV, "1")
-    assert flat_qmm_requested() is True
-    assert flat_qmm_requested(False) is False
-    monkeypatch.setenv(FLAT_QMM_ENV, "yes please")
-    with pytest.raises(ValueError, match=FLAT_QMM_ENV):
-        flat_qmm_requested()
-    with pytest.raises(ValueError, match=FLAT_QMM_ENV):
-        build_engine(quantized_model(), IdTokenizer(), kv_bits=4, kv_memory=64 << 20)

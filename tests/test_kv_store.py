@@ -13,6 +13,7 @@ from kiviq.engine.kivi_cache import KiviLayerCache
 from kiviq.engine.kv_store import KiviStore, KVConfig, OutOfKVMemory
 from kiviq.kernels import decode_attention_dense, dequantize_key_blocks, dequantize_value_blocks, tokens_to_blocks
 from kiviq.kernels import quantize_key_blocks, quantize_value_blocks, blocks_to_tokens
+from tests.kv_helpers import append_decode, attend_decode, decode_attend
 
 H_KV, D = 2, 64
 
@@ -38,7 +39,7 @@ def test_flush_rule_and_contents_after_every_step(bits, k):
     both the prefill path (append) and the decode path (append_decode)."""
     g, r = 16, 32
     store = make_store(bits, g, r, k=k)
-    seq = store.new_sequence()
+    seq = store.blocks.allocate()
     rng = random.Random(bits * 10 + k)
     keys = mx.random.normal((H_KV, 0, D))
     steps = [rng.choice([1, 1, 1, 5, 17, 40]) for _ in range(40)]
@@ -48,7 +49,7 @@ def test_flush_rule_and_contents_after_every_step(bits, k):
         keys = mx.concatenate([keys, k_new], axis=1)
         for layer in range(store.num_layers):
             if n == 1 and keys.shape[1] > 1:  # a decode step: flushes through flush_layers
-                store.append_decode(layer, [seq], k_new[None, :, 0], k_new[None, :, 0])
+                append_decode(store, layer, [seq], k_new[None, :, 0], k_new[None, :, 0])
             else:  # V = K: both paths checked on the same data
                 store.append(layer, seq, k_new, k_new)
         total = keys.shape[1]
@@ -59,7 +60,7 @@ def test_flush_rule_and_contents_after_every_step(bits, k):
                 assert nb == 0 and tail == total
             else:
                 assert r <= tail <= r + k * g - 1
-            assert nb % k == 0 and nb == store.blocks_needed(total)
+            assert nb % k == 0 and nb == store.blocks.blocks_needed(total)
             assert len(seq.block_ids) == nb
         past_k, past_v = store.dense_past(0, seq)
         cut = seq.blocks_used[0] * g
@@ -73,8 +74,8 @@ def test_batched_decode_append_equals_one_by_one():
     g, r = 16, 32
     a, b = make_store(4, g, r, slots=8), make_store(4, g, r, slots=8)
     lens = [0, 3, r + g - 2, r + g - 1, 100]
-    seqs_a = [a.new_sequence() for _ in lens]
-    seqs_b = [b.new_sequence() for _ in lens]
+    seqs_a = [a.blocks.allocate() for _ in lens]
+    seqs_b = [b.blocks.allocate() for _ in lens]
     for sa, sb, n in zip(seqs_a, seqs_b, lens):
         if n:
             x = mx.random.normal((H_KV, n, D))
@@ -82,7 +83,7 @@ def test_batched_decode_append_equals_one_by_one():
             b.append(0, sb, x, x)
     for _ in range(3):
         k = mx.random.normal((len(lens), H_KV, D))
-        a.append_decode(0, seqs_a, k, k)
+        append_decode(a, 0, seqs_a, k, k)
         for i, s in enumerate(seqs_b):
             b.append(0, s, k[i][:, None], k[i][:, None])
     for sa, sb in zip(seqs_a, seqs_b):
@@ -99,7 +100,7 @@ def test_step_prepared_once_for_all_layers_equals_per_layer_decode(k):
     g, r = 16, 32
     a, b = make_store(4, g, r, slots=8, layers=3, k=k), make_store(4, g, r, slots=8, layers=3, k=k)
     lens = [1, r + k * g - 3, r + k * g - 1, 100, 2 * k * g + r - 1]
-    seqs_a, seqs_b = [a.new_sequence() for _ in lens], [b.new_sequence() for _ in lens]
+    seqs_a, seqs_b = [a.blocks.allocate() for _ in lens], [b.blocks.allocate() for _ in lens]
     for layer in range(3):
         for sa, sb, n in zip(seqs_a, seqs_b, lens):
             x = mx.random.normal((H_KV, n, D))
@@ -107,17 +108,18 @@ def test_step_prepared_once_for_all_layers_equals_per_layer_decode(k):
             b.append(layer, sb, x, -x)
     for step in range(k * g + 3):  # every sequence flushes at least once
         batch = a.begin_decode(seqs_a)
-        assert a.free_blocks == b.free_blocks - k * sum(1 for s in seqs_b if s.tail_lens[0] == r + k * g - 1)
+        flushing = sum(1 for s in seqs_b if s.tail_lens[0] == r + k * g - 1)
+        assert a.blocks.free_blocks == b.blocks.free_blocks - k * flushing
         for layer in range(3):
             new = mx.random.normal((len(lens), H_KV, D))
             q = mx.random.normal((len(lens), 4, D))
             # a: the model's [B, H, 1, D] layout, as the engine passes it; b: [B, H, D].
             a.write_decode(layer, batch, new[:, :, None], -new[:, :, None])
-            b.append_decode(layer, seqs_b, new, -new)
-            out = a.attend_decode(layer, batch, q[:, :, None], 0.1)
+            append_decode(b, layer, seqs_b, new, -new)
+            out = attend_decode(a, layer, batch, q[:, :, None], 0.1)
             assert out.shape == (len(lens), 4, 1, D)
             np.testing.assert_array_equal(np.array(out[:, :, 0]),
-                                          np.array(b.decode_attend(layer, seqs_b, q, 0.1)))
+                                          np.array(decode_attend(b, layer, seqs_b, q, 0.1)))
         assert len(batch.plans) == 1  # one attention launch plan, shared by the 3 layers
         mx.eval([a.pools, b.pools])
         for sa, sb in zip(seqs_a, seqs_b):
@@ -126,7 +128,7 @@ def test_step_prepared_once_for_all_layers_equals_per_layer_decode(k):
             for x, y in zip(pa, pb):
                 np.testing.assert_array_equal(np.array(x), np.array(y))
     k = mx.random.normal((1, H_KV, D))
-    a.append_decode(0, seqs_a[:1], k, k)  # layer 0 now holds one token more
+    append_decode(a, 0, seqs_a[:1], k, k)  # layer 0 now holds one token more
     with pytest.raises(RuntimeError, match="same tokens"):
         a.begin_decode(seqs_a)
 
@@ -138,7 +140,7 @@ def test_cache_decode_attention_matches_dense_attention_on_stored_kv(bits):
     g, r, h_q = 16, 32, 6
     store = make_store(bits, g, r)
     lens = [5, 47, 130]
-    seqs = [store.new_sequence() for _ in lens]
+    seqs = [store.blocks.allocate() for _ in lens]
     for s, n in zip(seqs, lens):
         x = mx.random.normal((H_KV, n, D))
         store.append(0, s, x, mx.random.normal((H_KV, n, D)))
@@ -156,7 +158,7 @@ def test_cache_decode_attention_matches_dense_attention_on_stored_kv(bits):
 def test_prefill_attention_is_full_precision_over_fresh_tokens():
     """A first prefill chunk attends to itself exactly as fp SDPA does."""
     store = make_store(4, 16, 32)
-    seq = store.new_sequence()
+    seq = store.blocks.allocate()
     cache = KiviLayerCache(store, 0, [seq])
     q = mx.random.normal((1, 4, 100, D))
     k, v = mx.random.normal((1, H_KV, 100, D)), mx.random.normal((1, H_KV, 100, D))
@@ -169,7 +171,7 @@ def test_prefill_attention_is_full_precision_over_fresh_tokens():
 
 def test_second_prefill_chunk_sees_quantized_past_with_causal_offset():
     store = make_store(8, 16, 32)
-    seq = store.new_sequence()
+    seq = store.blocks.allocate()
     cache = KiviLayerCache(store, 0, [seq])
     k1, v1 = mx.random.normal((1, H_KV, 70, D)), mx.random.normal((1, H_KV, 70, D))
     cache.update_and_fetch(k1, v1)
@@ -189,17 +191,17 @@ def test_second_prefill_chunk_sees_quantized_past_with_causal_offset():
 
 def test_release_returns_blocks_and_slot():
     store = make_store(4, 16, 32, blocks=8, slots=2)
-    seq = store.new_sequence()
+    seq = store.blocks.allocate()
     x = mx.random.normal((H_KV, 32 + 16 * 5, D))
     store.append(0, seq, x, x)
-    assert store.free_blocks == 8 - 5 and store.free_slots == 1 and store.used_bytes() > 0
-    store.release(seq)
-    assert store.free_blocks == 8 and store.free_slots == 2 and store.used_bytes() == 0
+    assert store.blocks.free_blocks == 8 - 5 and store.blocks.free_slots == 1 and store.blocks.used_bytes() > 0
+    store.blocks.free(seq)
+    assert store.blocks.free_blocks == 8 and store.blocks.free_slots == 2 and store.blocks.used_bytes() == 0
 
 
 def test_pool_full_raises_clear_error():
     store = make_store(4, 16, 32, blocks=2, slots=1)
-    seq = store.new_sequence()
+    seq = store.blocks.allocate()
     with pytest.raises(OutOfKVMemory, match="full"):
         x = mx.random.normal((H_KV, 32 + 16 * 3, D))
         store.append(0, seq, x, x)
@@ -208,7 +210,7 @@ def test_pool_full_raises_clear_error():
 def _update_cost(slots: int) -> tuple[float, int]:
     """Median seconds and peak extra bytes of one decode-token write."""
     store = KiviStore(1, 8, 128, config=KVConfig(4, 32, 128), num_blocks=8, num_slots=slots, dtype=mx.float16)
-    seq = store.new_sequence()
+    seq = store.blocks.allocate()
     x = mx.random.normal((8, 40, 128)).astype(mx.float16)
     store.append(0, seq, x, x)
     mx.eval(store.pools[0])
@@ -219,7 +221,7 @@ def _update_cost(slots: int) -> tuple[float, int]:
         mx.reset_peak_memory()
         base = mx.get_active_memory()
         t0 = time.perf_counter()
-        store.append_decode(0, [seq], k, k)
+        append_decode(store, 0, [seq], k, k)
         mx.eval(store.pools[0].tail_k, store.pools[0].tail_v)
         times.append(time.perf_counter() - t0)
         peaks.append(mx.get_peak_memory() - base)
@@ -244,7 +246,7 @@ def test_flush_waits_unless_the_attention_writes_the_tails_and_scatters_settle_f
 
     g, r = 16, 32
     store = make_store(4, g, r, slots=3, layers=2)
-    seqs = [store.new_sequence() for _ in range(2)]
+    seqs = [store.blocks.allocate() for _ in range(2)]
     for layer in range(2):
         for s in seqs:
             store.append(layer, s, mx.zeros((H_KV, r + g - 1, D)), mx.zeros((H_KV, r + g - 1, D)))
@@ -288,5 +290,56 @@ def test_flush_waits_unless_the_attention_writes_the_tails_and_scatters_settle_f
     assert waits == [True, False] and writes == [0, 0, 1, 1] and syncs == [1]
     assert store._unsettled is False
     store._unsettled = True  # a flush left running before a prefill: the prefill waits
-    store.append(0, store.new_sequence(), mx.zeros((H_KV, 3, D)), mx.zeros((H_KV, 3, D)))
+    store.append(0, store.blocks.allocate(), mx.zeros((H_KV, 3, D)), mx.zeros((H_KV, 3, D)))
     assert syncs == [1, 1] and store._unsettled is False
+
+
+def test_block_manager_is_pure_python_and_owns_blocks_slots_and_tables():
+    import ast
+    from pathlib import Path
+
+    import kiviq.engine.block_manager as bm
+
+    tree = ast.parse(Path(bm.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not any(m.startswith("mlx") for m in imported), imported
+
+    blocks = bm.BlockManager(4, 2, num_layers=3, group_size=16, residual=32, block_bytes=10, slot_bytes=100)
+    assert blocks.can_allocate(32 + 16 * 4) and not blocks.can_allocate(32 + 16 * 5)
+    a, b = blocks.allocate(), blocks.allocate()
+    assert not blocks.can_allocate(1)  # no slot left
+    with pytest.raises(OutOfKVMemory, match="slot"):
+        blocks.allocate()
+    assert [blocks.block(a, 0), blocks.block(a, 1), blocks.block(b, 0)] == a.block_ids[:2] + b.block_ids
+    assert blocks.block(a, 0) == a.block_ids[0]  # the second layer to reach it gets the same block
+    np.testing.assert_array_equal(blocks.block_tables([b, a], [1, 2]), [[b.block_ids[0], 0], a.block_ids])
+    assert blocks.block_tables([a], [1], width_multiple=4).shape == (1, 4)
+    assert blocks.used_bytes() == 3 * 10 + 2 * 100 and blocks.budget_bytes() == 4 * 10 + 2 * 100
+    blocks.free(a)
+    blocks.free(a)  # idempotent
+    assert (blocks.free_blocks, blocks.free_slots, a.slot) == (3, 1, -1)
+    assert blocks.used_bytes() == 10 + 100
+
+
+def test_blocks_for_budget_is_what_make_store_allocates():
+    """The sizing rule (bytes left after the tails, capped by what max_sequences
+    full-context sequences need) decides the real store's block count."""
+    from types import SimpleNamespace
+
+    from kiviq.engine.block_manager import blocks_for_budget
+    from kiviq.engine.kivi_cache import make_store
+
+    config = KVConfig(4, 16, 32)
+    probe = KiviStore(2, H_KV, D, config=config, num_blocks=1, num_slots=1, dtype=mx.float32)
+    sizes = dict(block_bytes=probe.blocks.block_bytes, slot_bytes=probe.blocks.slot_bytes, group_size=16)
+    model = SimpleNamespace(args=SimpleNamespace(num_attention_heads=4, num_key_value_heads=H_KV, head_dim=D,
+                                                 hidden_size=4 * D), layers=[None, None])
+    budget = 3 * sizes["slot_bytes"] + 50 * sizes["block_bytes"] + 7
+    store = make_store(model, config, kv_memory=budget, max_sequences=3, dtype=mx.float32)
+    assert store.blocks.num_blocks == blocks_for_budget(budget, max_sequences=3, **sizes) == 50
+    assert store.blocks.budget_bytes() <= budget
+    capped = make_store(model, config, kv_memory=budget, max_sequences=3, context=100, dtype=mx.float32)
+    assert capped.blocks.num_blocks == blocks_for_budget(budget, max_sequences=3, context=100, **sizes) == 3 * 7
+    with pytest.raises(ValueError, match="kv_memory"):
+        make_store(model, config, kv_memory=sizes["slot_bytes"], max_sequences=3, dtype=mx.float32)

@@ -3,13 +3,16 @@ weights; the real SmolLM2 is covered end to end)."""
 
 from __future__ import annotations
 
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from kiviq.engine.kivi_cache import KiviSequenceCache, make_store
+from kiviq.engine.kivi_cache import AttentionHook, KiviSequenceCache, kiviq_sdpa, make_store
 from kiviq.engine.kv_store import KVConfig
 
 BASE = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
@@ -51,10 +54,16 @@ def test_family_runs_on_kivi_cache_close_to_fp_cache(family):
     store = make_store(model, KVConfig(bits=8, group_size=16, residual=32), kv_memory=64 << 20,
                        max_sequences=1, dtype=mx.float32)
     cache = KiviSequenceCache(store)
-    got = run(model, cache, tokens, prefill=70)
+    module = sys.modules[type(model.layers[0].self_attn).__module__]
+    stock = mlx_lm_base.scaled_dot_product_attention
+    assert module.scaled_dot_product_attention is stock  # building a store patches nothing
+    with AttentionHook(model):
+        assert module.scaled_dot_product_attention is kiviq_sdpa
+        got = run(model, cache, tokens, prefill=70)
+    assert module.scaled_dot_product_attention is stock and mlx_lm_base.scaled_dot_product_attention is stock
     assert cache.sequence.blocks_used[0] > 0  # the quantized path really ran
     # 8-bit KIVI: logits stay within a few percent of their spread.
     err = np.abs(got - want).max() / want.std()
     assert err < 0.05, err
     cache.release()
-    assert store.used_bytes() == 0
+    assert store.blocks.used_bytes() == 0

@@ -212,10 +212,9 @@ def test_chat_template_renders_chatml(loaded):
     assert ids[0] == 1 and ids.count(1) == 3 and ids.count(2) == 2
 
 
-def test_dequantize_override_keeps_4bit(loaded, monkeypatch):
-    """KIVIQ_DEQUANTIZE=0 keeps the GGUF's 4-bit layers; the float dtype follows the device."""
-    monkeypatch.setenv("KIVIQ_DEQUANTIZE", "0")
-    model, _ = ml.load(None, cache_dir=str(loaded["cache"]))
+def test_dequantize_override_keeps_4bit(loaded):
+    """dequantize=False keeps the GGUF's 4-bit layers; the float dtype follows the device."""
+    model, _ = ml.load(None, dequantize=False, cache_dir=str(loaded["cache"]))
     attn = model.layers[0].self_attn
     assert isinstance(attn.q_proj, nn.QuantizedLinear) and attn.q_proj.bits == 4 and attn.q_proj.group_size == 32
     assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)

@@ -4,6 +4,7 @@ the model once, then serve until stopped."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kiviq.worker.blas import reexec_with_openblas
@@ -44,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--pipeline-decode", action=argparse.BooleanOptionalAction, default=True,
                    help="build each decode step while the previous one runs on the device (same tokens; "
                         "events one step later; default on)")
+    w.add_argument("--max-batch-tokens", type=int, default=1024,
+                   help="tokens fed to the model per engine step (decode + prefill chunks)")
+    w.add_argument("--flat-qmm", action=argparse.BooleanOptionalAction, default=True,
+                   help="multiply a batch's rows in one quantized matmul per layer (same tokens; default on)")
+    w.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=None,
+                   help="dequantize the model's quantized layers to float32 (default: only on CPU)")
     w.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port)")
     w.add_argument("--metrics-host", default="127.0.0.1",
@@ -52,6 +59,24 @@ def build_parser() -> argparse.ArgumentParser:
     return w
 
 
+def engine_config(args: argparse.Namespace, environ=os.environ):
+    """The EngineConfig of the parsed flags. ``KIVIQ_KERNELS=reference`` (the
+    debugging escape hatch) runs the plain-ops reference instead of the kernels."""
+    from kiviq.engine.config import EngineConfig  # loads mlx: after the re-exec
+
+    kernels = environ.get("KIVIQ_KERNELS", "auto").strip().lower()
+    if kernels not in ("auto", "reference", ""):
+        raise SystemExit(f"KIVIQ_KERNELS must be 'reference' or unset, got {kernels!r}")
+    try:
+        return EngineConfig(
+            kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_residual=args.kv_residual,
+            kv_flush_blocks=args.kv_flush_blocks, kv_memory=args.kv_memory, max_sequences=args.max_active,
+            max_batch_tokens=args.max_batch_tokens, compile_decode=args.compile_decode,
+            pipeline=args.pipeline_decode, flat_qmm=args.flat_qmm,
+            use_kernel=False if kernels == "reference" else None)
+    except ValueError as e:
+        raise SystemExit(f"kiviq worker: {e}") from e
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -59,11 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     reexec_with_openblas(argv)
     from kiviq.worker.main import run_worker  # after the re-exec: loads mlx
 
+    config = engine_config(args)
     try:
-        run_worker(args.model, args.redis_url, burst=args.burst, max_active=args.max_active,
-                   log_level=args.log_level, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                   kv_residual=args.kv_residual, kv_flush_blocks=args.kv_flush_blocks, kv_memory=args.kv_memory,
-                   compile_decode=args.compile_decode, pipeline_decode=args.pipeline_decode,
+        run_worker(args.model, args.redis_url, config=config, burst=args.burst, log_level=args.log_level,
+                   dequantize=args.dequantize, cache_dir=os.environ.get("KIVIQ_CACHE_DIR") or None,
                    max_queued=args.max_queued, grace_s=args.grace,
                    metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     except KeyboardInterrupt:

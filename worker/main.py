@@ -13,14 +13,15 @@ from kiviq.worker.service import BatchWorker
 log = logging.getLogger("kiviq.worker")
 
 
-def run_worker(model: str | None = None, redis_url: str | None = None, *, burst: bool = False,
-               max_active: int = 32, name: str | None = None, log_level: str = "INFO",
-               kv_bits: int = 4, kv_group_size: int = 32, kv_residual: int = 128, kv_flush_blocks: int = 1,
-               kv_memory: int | None = None, compile_decode: bool | None = None, pipeline_decode: bool = True,
-               max_queued: int | None = None,
-               grace_s: float = 30.0,
+def run_worker(model: str | None = None, redis_url: str | None = None, *, config=None, burst: bool = False,
+               name: str | None = None, log_level: str = "INFO", dequantize: bool | None = None,
+               cache_dir: str | None = None, max_queued: int | None = None, grace_s: float = 30.0,
                metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> int:
     """Load ``model`` (default: SmolLM2-135M-Instruct) and serve jobs.
+
+    ``config``: the engine's EngineConfig (worker/cli.py builds it from the flags;
+    default: EngineConfig()); its ``max_sequences`` is the worker's ``--max-active``.
+    ``dequantize``, ``cache_dir``: as in ``engine.load``.
 
     ``metrics_port``: serve Prometheus metrics on http://127.0.0.1:PORT/metrics
     (0 picks a free port). Metrics are collected (and published to Redis for
@@ -31,6 +32,9 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, burst:
     """
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from kiviq.engine import build_engine, load  # heavy: mlx, mlx-lm
+    from kiviq.engine.config import EngineConfig
+
+    config = config if config is not None else EngineConfig()
 
     connection = Redis.from_url(redis_url_from_env(redis_url))
     connection.ping()  # fail fast with a clear error before the slow model load
@@ -38,15 +42,15 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, burst:
     if metrics_port is not None:  # bind before the slow model load: a taken port fails fast
         serve_metrics(metrics, metrics_port, host=metrics_host)
     log.info("loading model %s", model or "(default SmolLM2-135M-Instruct)")
-    lm, tokenizer = load(model)
-    engine = build_engine(lm, tokenizer, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                          kv_residual=kv_residual, kv_flush_blocks=kv_flush_blocks, kv_memory=kv_memory,
-                          max_sequences=max_active, compile_decode=compile_decode, pipeline=pipeline_decode)
+    lm, tokenizer = load(model, dequantize=dequantize, cache_dir=cache_dir)
+    engine = build_engine(lm, tokenizer, config)
+    c = getattr(engine, "config", None) or config  # the serial engine keeps none
     compiled = getattr(getattr(engine, "runner", None), "compiled", None) is not None  # on a GPU by default
-    log.info("KV cache: %s", "fp16" if kv_bits == 16 else f"KIVI {kv_bits}-bit, G={kv_group_size}, R={kv_residual}, "
-             f"{kv_flush_blocks} block(s) per flush" + (", decode steps compiled" if compiled else "")
-             + (", decode steps pipelined" if pipeline_decode else ""))
-    worker = BatchWorker(engine, connection, max_active=max_active, name=name, max_queued=max_queued,
+    log.info("KV cache: %s", "fp16" if c.kv_bits == 16 else
+             f"KIVI {c.kv_bits}-bit, G={c.kv_group_size}, R={c.kv_residual}, {c.kv_flush_blocks} block(s) per flush, "
+             + ("reference attention" if c.use_kernel is False else "kernels where they run")
+             + (", decode steps compiled" if compiled else "") + (", decode steps pipelined" if c.pipeline else ""))
+    worker = BatchWorker(engine, connection, max_active=config.max_sequences, name=name, max_queued=max_queued,
                          grace_s=grace_s, metrics=metrics)
     stats = StatsPublisher(connection, worker.name, metrics).start()  # for `kiviq top`
     try:

@@ -1,0 +1,106 @@
+"""The engine's configuration: one frozen object built from the worker's flags
+(worker/cli.py) and passed to ``build_engine``, the engine and the store."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiviq.kernels.layout import check_layout
+
+KV_BITS_CHOICES = (2, 4, 8, 16)  # 16 = mlx-lm's plain fp16 cache
+
+
+@dataclass(frozen=True, slots=True)
+class KVConfig:
+    """KIVI parameters: bits b, group size G, residual length R, and k, the
+    blocks quantized per flush.
+
+    A sequence's fp16 tail flushes when it reaches R + k*G tokens: its oldest
+    k*G tokens become k blocks, so past its first R tokens the tail holds R to
+    R + k*G - 1 tokens. k = 1 is DESIGN.md's rule. A flush costs the same graph
+    nodes per layer whatever the number of blocks, and with B sequences of
+    unrelated lengths some sequence flushes in most steps when k = 1; k > 1
+    makes each sequence flush k times less often. When a sequence flushes
+    depends only on its own length, so a batch still decodes exactly as its
+    sequences would alone. Each tail holds (k - 1) * G more rows.
+    """
+
+    bits: int = 4
+    group_size: int = 32
+    residual: int = 128
+    flush_blocks: int = 1
+
+    def __post_init__(self):
+        check_layout(self.bits, self.group_size)
+        if self.residual < self.group_size or self.residual % self.group_size:
+            raise ValueError(f"residual ({self.residual}) must be a positive multiple of group_size")
+        if self.flush_blocks < 1:
+            raise ValueError(f"flush_blocks ({self.flush_blocks}) must be >= 1")
+
+    @property
+    def flush_tokens(self) -> int:
+        """Tokens one flush quantizes: k * G."""
+        return self.flush_blocks * self.group_size
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything ``build_engine`` needs besides the model and tokenizer.
+
+    Args:
+        kv_bits: 2, 4 or 8 for KIVI; 16 for a plain fp16 cache (serial engine).
+        kv_group_size: G, tokens (keys) or channels (values) per quantization group.
+        kv_residual: R, the fp16 window of most recent tokens (a multiple of G).
+        kv_flush_blocks: k, blocks quantized per flush (see KVConfig).
+        kv_memory: byte budget of the KV store; None: a quarter of device memory.
+        max_sequences: sequences the store holds at once.
+        max_batch_tokens: tokens fed to the model per step (decode + prefill).
+        compile_decode: replay decode steps through mx.compile; None: where MLX
+            computes on a GPU (on a CPU the traces cost more than they save).
+        pipeline: build decode step n+1 while step n runs (events one step later).
+        flat_qmm: multiply a batch's rows in one quantized matmul per layer
+            (engine.flat_quantized; changes the model's quantized modules in place).
+        use_kernel: None: the KIVI kernels where they run; False: the plain-ops
+            reference (every kernels.dispatch call gets it).
+    """
+
+    kv_bits: int = 4
+    kv_group_size: int = 32
+    kv_residual: int = 128
+    kv_flush_blocks: int = 1
+    kv_memory: int | None = None
+    max_sequences: int = 32
+    max_batch_tokens: int = 1024
+    compile_decode: bool | None = None
+    pipeline: bool = True
+    flat_qmm: bool = True
+    use_kernel: bool | None = None
+
+    def __post_init__(self):
+        if self.kv_bits not in KV_BITS_CHOICES:
+            raise ValueError(f"kv_bits must be one of {KV_BITS_CHOICES}, got {self.kv_bits}")
+        if self.kv_group_size < 1:
+            raise ValueError(f"kv_group_size must be >= 1, got {self.kv_group_size}")
+        if self.kv_residual < self.kv_group_size or self.kv_residual % self.kv_group_size:
+            raise ValueError(f"kv_residual ({self.kv_residual}) must be a positive multiple of "
+                             f"kv_group_size ({self.kv_group_size})")
+        if self.kv_flush_blocks < 1:
+            raise ValueError(f"kv_flush_blocks must be >= 1, got {self.kv_flush_blocks}")
+        if self.kv_memory is not None and self.kv_memory < 1:
+            raise ValueError(f"kv_memory must be a positive byte count or None, got {self.kv_memory}")
+        if self.max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
+        if self.use_kernel not in (None, False):
+            raise ValueError(f"use_kernel must be None (kernels where they run) or False, got {self.use_kernel!r}")
+        if self.kv_bits != 16:
+            try:
+                check_layout(self.kv_bits, self.kv_group_size)
+            except ValueError as e:
+                raise ValueError(f"kv_bits / kv_group_size: {e}") from e
+
+    @property
+    def kv(self) -> KVConfig:
+        """The KIVI parameters (KIVI configurations only)."""
+        return KVConfig(self.kv_bits, self.kv_group_size, self.kv_residual, self.kv_flush_blocks)
