@@ -20,7 +20,8 @@ from rq.registry import FinishedJobRegistry
 from rq.serializers import JSONSerializer
 
 from kiviq.client import Client, InvalidRequest
-from kiviq.client.bulk import Progress, BulkSummary, idempotency_key, parse_line, read_done
+from kiviq.client.bulk import BulkSummary, Progress
+from kiviq.client.bulk_format import idempotency_key, parse_line, read_done
 from kiviq.jobs.keys import job_id_for_idempotency_key, max_queued_key, queue_name, queue_names, replay_log
 from kiviq.jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, Usage
 from kiviq.jobs.publisher import EventPublisher
@@ -79,7 +80,7 @@ def test_openai_logprobs_fields_map():
 
 
 def test_ok_record_carries_logprobs_only_when_present():
-    from kiviq.client.bulk import ok_record
+    from kiviq.client.bulk_format import ok_record
     from kiviq.jobs.models import TokenLogprob, TopLogprob
 
     line = parse_line(json.dumps({"prompt": "Hi"}), 1)
