@@ -35,7 +35,7 @@ Model: the default SmolLM2-135M-Instruct (``engine.load(None)``; float32 on CPU)
    quantized) through the same batching engine: its divergences, if any, are
    batching/rounding noise, not quantization.
 
-Run (CPU; see docs/benchmarks.md for the measured table):
+Run (CPU; the measured table is in docs/performance.md):
     PYTHONPATH=. python benchmarks/kv_quality.py
 """
 
