@@ -106,10 +106,9 @@ def test_a_forced_reference_runs_no_self_check(monkeypatch):
 def test_worker_flags_and_kiviq_kernels_build_the_config():
     from kiviq.worker.cli import build_parser, engine_config
 
-    args = build_parser().parse_args(["--kv-bits", "2", "--max-active", "5", "--no-flat-qmm",
-                                      "--max-batch-tokens", "256"])
+    args = build_parser().parse_args(["--kv-bits", "2", "--max-active", "5", "--max-batch-tokens", "256"])
     config = engine_config(args, environ={})
-    assert (config.kv_bits, config.max_sequences, config.flat_qmm, config.max_batch_tokens) == (2, 5, False, 256)
+    assert (config.kv_bits, config.max_sequences, config.flat_qmm, config.max_batch_tokens) == (2, 5, True, 256)
     assert config.use_kernel is None
     assert engine_config(args, environ={"KIVIQ_KERNELS": "reference"}).use_kernel is False
     with pytest.raises(SystemExit, match="KIVIQ_KERNELS"):

@@ -47,8 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "events one step later; default on)")
     w.add_argument("--max-batch-tokens", type=int, default=1024,
                    help="tokens fed to the model per engine step (decode + prefill chunks)")
-    w.add_argument("--flat-qmm", action=argparse.BooleanOptionalAction, default=True,
-                   help="multiply a batch's rows in one quantized matmul per layer (same tokens; default on)")
     w.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=None,
                    help="dequantize the model's quantized layers to float32 (default: only on CPU)")
     w.add_argument("--metrics-port", type=int, default=None,
@@ -72,7 +70,7 @@ def engine_config(args: argparse.Namespace, environ=os.environ):
             kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_residual=args.kv_residual,
             kv_flush_blocks=args.kv_flush_blocks, kv_memory=args.kv_memory, max_sequences=args.max_active,
             max_batch_tokens=args.max_batch_tokens, compile_decode=args.compile_decode,
-            pipeline=args.pipeline_decode, flat_qmm=args.flat_qmm,
+            pipeline=args.pipeline_decode,
             use_kernel=False if kernels == "reference" else None)
     except ValueError as e:
         raise SystemExit(f"kiviq worker: {e}") from e
