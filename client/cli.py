@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = add("generate", help="submit one prompt and stream the answer",
             description="Submit one prompt and stream the answer to stdout; the job id goes to stderr. "
                         "Ctrl-C cancels the job unless --detach.")
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="the user message (with --raw: the completion prompt)")
     g.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens "
@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     c = add("cancel", help="cancel a queued or running job")
-    c.add_argument("job_id")
+    c.add_argument("job_id", help="the id `kiviq generate` printed, or JobHandle.job_id")
     c.add_argument("--redis-url", default=None, help=REDIS_URL_HELP)
     c.set_defaults(func=cmd_cancel)
 
