@@ -108,8 +108,8 @@ def engine_config(args: argparse.Namespace, environ=os.environ):
             pipeline=args.pipeline_decode,
             use_kernel=False if kernels == "reference" else None)
     except ValueError as e:
-        found = {m.group(0) for m in re.finditer(r"\w+", str(e))} & CONFIG_FLAGS.keys()
-        flags = sorted((CONFIG_FLAGS[f] for f in found), key=lambda flag: str(e).index(flag[2:].replace("-", "_")))
+        words = re.findall(r"\w+", str(e))
+        flags = [CONFIG_FLAGS[w] for w in dict.fromkeys(words) if w in CONFIG_FLAGS]  # in the message's order
         raise UsageError(f"{e}" + (f"; set {' / '.join(flags)}" if flags else "")) from e
 
 
