@@ -93,12 +93,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         handle = client.submit(**fields)
     except InvalidRequest as e:
         raise UsageError(_request_error(e)) from e
-    queue = queue_name(args.priority)
-    print(f"kiviq: job {handle.job_id} queued on {queue}", file=sys.stderr, flush=True)
-    if not _serving_workers(client, queue):
-        print(f"kiviq: warning: no worker serves {queue} yet; the job waits until one starts "
-              f"(kiviq worker), up to --timeout {args.timeout:g} s", file=sys.stderr, flush=True)
-    try:
+    try:  # from here on Ctrl-C cancels the job
+        queue = queue_name(args.priority)
+        print(f"kiviq: job {handle.job_id} queued on {queue}", file=sys.stderr, flush=True)
+        if not _serving_workers(client, queue):
+            print(f"kiviq: warning: no worker serves {queue} yet; the job waits until one starts "
+                  f"(kiviq worker), up to --timeout {args.timeout:g} s", file=sys.stderr, flush=True)
         for delta in handle.stream(timeout=args.timeout):
             print(delta, end="", flush=True)
         print()
@@ -171,8 +171,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     worker = subprocess.Popen(worker_cmd)
     try:
         client = Client(url)
-        print(f"[kiviq] worker starting (model: {args.model or 'SmolLM2-135M-Instruct'}); enqueueing "
-              f"{len(DEMO_PROMPTS)} prompts", flush=True)
+        print(f"[kiviq] worker starting (model: {args.model or 'SmolLM2-135M-Instruct'})", flush=True)
+        _wait_for_worker(client, worker, args.timeout)
+        print(f"[kiviq] enqueueing {len(DEMO_PROMPTS)} prompts", flush=True)
         handles = [client.submit(messages=[{"role": "user", "content": p}], max_tokens=args.max_tokens)
                    for p in DEMO_PROMPTS]
         for prompt, handle in zip(DEMO_PROMPTS, handles):
@@ -191,6 +192,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
         except subprocess.TimeoutExpired:
             worker.kill()
         stop_redis()
+
+
+def _wait_for_worker(client: Client, worker: subprocess.Popen, timeout: float) -> None:
+    """Until the demo's worker registers (its model is loaded); a worker that
+    exits first (its error is on stderr, above) ends the demo."""
+    import time
+
+    from rq import Worker
+
+    deadline = time.monotonic() + timeout
+    while not Worker.all(connection=client.redis):
+        if worker.poll() is not None:
+            raise RuntimeError(f"the demo's worker exited with status {worker.returncode} (its error is above)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the demo's worker did not start within --timeout {timeout:g} s")
+        time.sleep(0.2)
 
 
 REDIS_URL_HELP = "Redis to use (default: $REDIS_URL or " + DEFAULT_REDIS_URL + ")"

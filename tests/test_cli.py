@@ -258,3 +258,11 @@ def test_options_with_a_unit_say_it(prog, option, unit):
     parser = next(p for p in _parsers() if p.prog == prog)
     action = next(a for a in parser._actions if option in a.option_strings)
     assert unit in parser._get_formatter()._expand_help(action)
+
+
+def test_demo_stops_when_its_worker_cannot_start(redis_url):
+    proc = run_process("-m", "kiviq.client.cli", "demo", "--model", "/nonexistent", "--redis-url", redis_url)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("kiviq worker: error: --model") and len(lines) == 2
+    assert lines[1] == "kiviq: error: the demo's worker exited with status 2 (its error is above)"
