@@ -266,3 +266,22 @@ def test_demo_stops_when_its_worker_cannot_start(redis_url):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[0].startswith("kiviq worker: error: --model") and len(lines) == 2
     assert lines[1] == "kiviq: error: the demo's worker exited with status 2 (its error is above)"
+
+
+CRASH_WHILE_SERVING = """
+import sys
+import kiviq.worker.main as worker_main
+def crash(*args, **kwargs):
+    raise KeyError("boom")
+worker_main.run_worker = crash
+from kiviq.worker.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_worker_crash_keeps_its_traceback(dead_url):
+    """Not a user error: a crash while serving may not happen again, so its
+    traceback is printed even without --debug (the one line still ends it)."""
+    proc = run_process("-c", CRASH_WHILE_SERVING, "--redis-url", dead_url)
+    assert proc.returncode == 1 and "Traceback (most recent call last)" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "kiviq worker: error: KeyError: 'boom'"

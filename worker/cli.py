@@ -8,7 +8,9 @@ import os
 import re
 import sys
 import traceback
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
+
+from redis.exceptions import RedisError
 
 from kiviq.jobs.settings import DEFAULT_REDIS_URL, redis_url_from_env
 from kiviq.worker.blas import reexec_with_openblas
@@ -53,7 +55,8 @@ def parse_bytes(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     w = argparse.ArgumentParser(prog="kiviq worker", description="Serve generation jobs from Redis with a model.",
                                 formatter_class=HelpFormatter)
-    w.add_argument("--model", default=None, help="local MLX/HF dir, GGUF file, or HF repo id (default: SmolLM2-135M-Instruct, shipped)")
+    w.add_argument("--model", default=None,
+                   help="local MLX/HF dir, GGUF file, or HF repo id (default: SmolLM2-135M-Instruct, shipped)")
     w.add_argument("--redis-url", default=None, help=f"Redis to serve (default: $REDIS_URL or {DEFAULT_REDIS_URL})")
     w.add_argument("--max-active", type=int, default=32, help="most sequences in the engine at once")
     w.add_argument("--burst", action="store_true", help="exit when the queues are empty")
@@ -82,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=None,
                    help="dequantize the model's quantized layers to float32 (default: only on CPU)")
     w.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; default: none, not served)")
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; "
+                        "default: none, not served)")
     w.add_argument("--metrics-host", default="127.0.0.1",
                    help="address the metrics endpoint binds (0.0.0.0 inside a container)")
     w.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -113,6 +117,15 @@ def engine_config(args: argparse.Namespace, environ=os.environ):
         raise UsageError(f"{e}" + (f"; set {' / '.join(flags)}" if flags else "")) from e
 
 
+def redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def check_redis_url(args: argparse.Namespace) -> str:
     """The Redis URL the worker serves; a malformed one is a usage error."""
     url = redis_url_from_env(args.redis_url)
@@ -129,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     traceback before it under ``--debug`` or ``KIVIQ_DEBUG=1``."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    redis_url = args.redis_url or ""
     try:
         redis_url = check_redis_url(args)  # before the re-exec and the mlx import: fails in a blink
         reexec_with_openblas(argv)
@@ -149,8 +163,12 @@ def main(argv: list[str] | None = None) -> int:
             message, status = str(e), 2
         elif started is not None and isinstance(e, started.StartupError):
             message, status = str(e), e.status
-        else:
-            message, status = f"{type(e).__name__}: {e} (--debug shows the traceback)", 1
+        elif isinstance(e, RedisError):  # Redis went away while serving
+            message, status = f"Redis at {redact(redis_url)}: {type(e).__name__}: {e}", 1
+        else:  # a crash while serving may not come back: keep its traceback
+            if not args.debug:
+                traceback.print_exc()
+            message, status = f"{type(e).__name__}: {e}", 1
         print(f"kiviq worker: error: {message}", file=sys.stderr, flush=True)
         return status
     return 0

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-from urllib.parse import urlsplit, urlunsplit
 
 from redis import Redis
 from redis.exceptions import RedisError
 
 from kiviq.jobs.settings import redis_url_from_env
+from kiviq.worker.cli import redact
 from kiviq.worker.metrics import StatsPublisher, WorkerMetrics, serve_metrics
 from kiviq.worker.service import BatchWorker
 
@@ -56,7 +56,7 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
     try:
         connection.ping()  # fail fast with a clear error before the slow model load
     except RedisError as e:
-        raise StartupError(f"cannot reach Redis at {_redact(url)}: {str(e).rstrip('.')}; "
+        raise StartupError(f"cannot reach Redis at {redact(url)}: {str(e).rstrip('.')}; "
                            "start one or pass --redis-url") from e
     metrics = WorkerMetrics()
     if metrics_port is not None:  # bind before the slow model load: a taken port fails fast
@@ -88,11 +88,3 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
     finally:
         stats.stop()
 
-
-def _redact(url: str) -> str:
-    """The URL without its password, for messages."""
-    parts = urlsplit(url)
-    if not parts.password:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
