@@ -321,8 +321,10 @@ def describe_error(e: BaseException, args: argparse.Namespace) -> tuple[str, int
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["worker"]:  # the client never imports the worker: it runs in its place
-        os.execv(sys.executable, [sys.executable, "-m", "kiviq.worker", *argv[1:]])
+    # The client never imports the worker: `kiviq [--debug] worker ...` runs it in this process's place.
+    if argv[:1] == ["worker"] or argv[:2] == ["--debug", "worker"]:
+        rest = argv[1:] if argv[0] == "worker" else [*argv[2:], "--debug"]
+        os.execv(sys.executable, [sys.executable, "-m", "kiviq.worker", *rest])
     args = build_parser().parse_args(argv)
     try:
         if hasattr(args, "redis_url"):

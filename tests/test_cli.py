@@ -133,9 +133,12 @@ def test_debug_shows_the_traceback(capsys, monkeypatch, dead_url, how, argv, sta
 
 
 def test_worker_bad_config_flag_is_a_usage_error(dead_url):
-    proc = run_process("-m", "kiviq.client.cli", "worker", "--kv-residual", "100", "--redis-url", dead_url)
+    argv = ["-m", "kiviq.client.cli", "worker", "--kv-residual", "100", "--redis-url", dead_url]
+    proc = run_process(*argv)
     line = assert_one_error_line(proc.stderr, "kiviq worker")
     assert proc.returncode == 2 and "kv_residual (100)" in line and "--kv-residual" in line
+    debug = run_process("-m", "kiviq.client.cli", "--debug", *argv[2:])  # kiviq --debug worker ...
+    assert debug.returncode == 2 and "Traceback (most recent call last)" in debug.stderr
 
 
 def test_worker_missing_model_is_a_usage_error(redis_url):
