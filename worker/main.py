@@ -5,12 +5,23 @@ from __future__ import annotations
 import logging
 
 from redis import Redis
+from redis.exceptions import RedisError
 
 from kiviq.jobs.settings import redis_url_from_env
+from kiviq.worker.cli import redact
 from kiviq.worker.metrics import StatsPublisher, WorkerMetrics, serve_metrics
 from kiviq.worker.service import BatchWorker
 
 log = logging.getLogger("kiviq.worker")
+
+
+class StartupError(RuntimeError):
+    """The worker cannot start; the message says why and what to do.
+    ``status``: 2 for a bad flag value (``--model``), 1 otherwise."""
+
+    def __init__(self, message: str, status: int = 1):
+        super().__init__(message)
+        self.status = status
 
 
 def run_worker(model: str | None = None, redis_url: str | None = None, *, config=None, burst: bool = False,
@@ -29,6 +40,10 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
 
     Returns:
         The number of jobs that ended.
+
+    Raises:
+        StartupError: Redis does not answer, the metrics port is taken, or the
+            model cannot be loaded.
     """
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from kiviq.engine import build_engine, load  # heavy: mlx, mlx-lm
@@ -36,13 +51,28 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
 
     config = config if config is not None else EngineConfig()
 
-    connection = Redis.from_url(redis_url_from_env(redis_url))
-    connection.ping()  # fail fast with a clear error before the slow model load
+    url = redis_url_from_env(redis_url)
+    connection = Redis.from_url(url)
+    try:
+        connection.ping()  # fail fast with a clear error before the slow model load
+    except RedisError as e:
+        raise StartupError(f"cannot reach Redis at {redact(url)}: {str(e).rstrip('.')}; "
+                           "start one or pass --redis-url") from e
     metrics = WorkerMetrics()
     if metrics_port is not None:  # bind before the slow model load: a taken port fails fast
-        serve_metrics(metrics, metrics_port, host=metrics_host)
+        try:
+            serve_metrics(metrics, metrics_port, host=metrics_host)
+        except OSError as e:
+            raise StartupError(f"--metrics-port {metrics_port} on {metrics_host}: {e.strerror or e}; "
+                               "pick another port (0: a free one)") from e
     log.info("loading model %s", model or "(default SmolLM2-135M-Instruct)")
-    lm, tokenizer = load(model, dequantize=dequantize, cache_dir=cache_dir)
+    try:
+        lm, tokenizer = load(model, dequantize=dequantize, cache_dir=cache_dir)
+    except (FileNotFoundError, ValueError) as e:  # the path is wrong, or not a model
+        raise StartupError(f"--model: {e}; give a local MLX/HF model dir, a GGUF file or a HF repo id",
+                           status=2) from e
+    except RuntimeError as e:  # a repo id that would not load: network, or no such repo
+        raise StartupError(f"--model: {e}") from e
     engine = build_engine(lm, tokenizer, config)
     c = getattr(engine, "config", None) or config  # the serial engine keeps none
     compiled = getattr(getattr(engine, "runner", None), "compiled", None) is not None  # on a GPU by default
@@ -57,3 +87,4 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
         return worker.serve(burst=burst, logging_level=log_level)
     finally:
         stats.stop()
+
