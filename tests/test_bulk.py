@@ -491,7 +491,8 @@ def test_rerun_reattaches_to_jobs_left_by_a_killed_run(tmp_path, fake_server, fa
         worker.join(timeout=5)
     assert [r["custom_id"] for r in read_out(out)][0] == "q0"
     assert sorted(r["custom_id"] for r in read_out(out)) == ["q0", "q1", "q2", "q3", "q4"]
-    assert (summary.ok, summary.skipped, summary.reattached) == (4, 1, 3)  # q1..q3 re-attached
+    # ok counts q0's line from the killed run too; q1..q3 re-attached
+    assert (summary.ok, summary.skipped, summary.reattached) == (5, 1, 3)
     assert len(worker.ran) == 5 and len(set(worker.ran)) == 5  # q0..q3 from the killed run, q4: each once
 
 
@@ -553,6 +554,85 @@ def test_vanished_job_is_an_error_line(tmp_path, fake_conn, monkeypatch):
     assert validate_record(record) is None and record["error"]["code"] == "job_failed"
 
 
+# ---- the CLI: summary, exit status, nothing written when it cannot start --
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, dict | None, str]:
+    rc = cli_main(["bulk", *argv])
+    captured = capsys.readouterr()
+    return rc, (json.loads(captured.out) if captured.out.strip() else None), captured.err
+
+
+@pytest.fixture
+def redis_fake_worker(redis_url):
+    """The fake worker on the suite's own redis-server (what the CLI connects to)."""
+    from redis import Redis
+
+    w = FakeWorker(Redis.from_url(redis_url))
+    w.start()
+    yield w
+    w.stop.set()
+    w.join(timeout=5)
+
+
+def test_cli_summary_counts_earlier_runs_and_retry_failed_fixes(redis_url, redis_fake_worker, tmp_path, capsys):
+    lines = [{"custom_id": "a", "prompt": "one"},
+             {"custom_id": "b", "url": "/v1/completions", "body": {"prompt": "two", "temperature": -1}},
+             {"custom_id": "c", "prompt": "FAIL now"},
+             {"custom_id": "d", "messages": [{"role": "user", "content": "four"}]}]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    args = (str(src), str(out), "--redis-url", redis_url, "--no-progress")
+    rc, summary, _ = run_cli(capsys, *args)
+    assert rc == 1 and (summary["total"], summary["ok"], summary["failed"], summary["skipped"]) == (4, 2, 2, 0)
+
+    # The same command again: nothing runs, but the failures are still counted and still exit 1.
+    rc, summary, _ = run_cli(capsys, *args)
+    assert rc == 1 and (summary["ok"], summary["failed"], summary["skipped"]) == (2, 2, 4)
+    assert len(read_out(out)) == 4 and len(redis_fake_worker.ran) == 3
+
+    lines[1]["body"]["temperature"] = 0.5  # the user fixes b; c's trouble is gone
+    write_jsonl(src, lines)
+    redis_fake_worker.fail = False
+    rc, summary, _ = run_cli(capsys, *args, "--retry-failed")
+    assert rc == 0, summary
+    assert (summary["ok"], summary["failed"], summary["skipped"], summary["retried"]) == (4, 0, 2, 2)
+    records = read_out(out)
+    assert sorted(r["custom_id"] for r in records) == ["a", "b", "c", "d"]
+    assert all(validate_record(r) is not None for r in records)
+    rc, summary, _ = run_cli(capsys, *args)
+    assert rc == 0 and (summary["ok"], summary["failed"], summary["skipped"]) == (4, 0, 4)
+
+
+def test_cli_writes_nothing_when_redis_is_unreachable(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    out = tmp_path / "out.jsonl"
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    rc, summary, err = run_cli(capsys, str(src), str(out), "--redis-url", url)
+    assert rc == 1 and summary is None and not out.exists()
+    assert err.startswith("kiviq: error: ") and err.count("\n") == 1 and "Redis" in err and "Traceback" not in err
+
+    # An existing OUT (an error line to retry, a torn last line) is left byte for byte.
+    failed = error_record(parse_line('{"prompt": "x"}', 1), "m", "job_failed")
+    out.write_text(json.dumps(failed) + "\n" + '{"custom_id": "torn", "re')
+    before, mtime = out.read_bytes(), out.stat().st_mtime_ns
+    rc, _, _ = run_cli(capsys, str(src), str(out), "--redis-url", url, "--retry-failed")
+    assert rc == 1 and out.read_bytes() == before and out.stat().st_mtime_ns == mtime
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "out.jsonl"]
+
+    # A missing input is a usage error, before Redis is even tried; OUT is not created.
+    rc, _, err = run_cli(capsys, str(tmp_path / "missing.jsonl"), str(tmp_path / "new.jsonl"), "--redis-url", url)
+    assert rc == 2 and "missing.jsonl" in err and not (tmp_path / "new.jsonl").exists()
+
+
 # ---- end to end: real Redis, real worker --------------------------------
 
 
@@ -570,6 +650,10 @@ def test_bulk_end_to_end(worker_process, redis_url, tmp_path):
         '{"prompt": "broken',
         {"custom_id": "c5", "prompt": "x", "temperature": -1},
         {"messages": [{"role": "user", "content": "Name a color."}]},
+        {"custom_id": "lp-chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Say hi."}], "logprobs": True, "top_logprobs": 2}},
+        {"custom_id": "lp-cmpl", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "smol", "prompt": "The sky is", "logprobs": 3}},
     ]
     src = write_jsonl(tmp_path / "in.jsonl", mixed)
     out = tmp_path / "out.jsonl"
@@ -580,20 +664,33 @@ def test_bulk_end_to_end(worker_process, redis_url, tmp_path):
     stderr = proc.stderr.decode()
     assert proc.returncode == 1, stderr  # some lines failed (their errors are in OUT)
     summary = json.loads(proc.stdout)
-    assert (summary["ok"], summary["failed"], summary["skipped"]) == (4, 2, 0)
-    assert "\rbulk 6/6 (100%) ok 4 failed 2" in stderr and "tok/s" in stderr and stderr.endswith("\n")
+    assert (summary["ok"], summary["failed"], summary["skipped"]) == (6, 2, 0)
+    # tqdm's bar (forced on: stderr is a pipe here), redrawn with \r, ending on a newline.
+    assert "\rbulk: 100%" in stderr and "8/8" in stderr and "ok=6, failed=2" in stderr and "tok/s=" in stderr
+    assert stderr.endswith("\n")
     records = read_out(out)
     ids = [r["custom_id"] for r in records]
-    assert sorted(ids) == sorted(["c1", "c2", "line-3", "line-4", "c5", "line-6"])
+    assert sorted(ids) == sorted(["c1", "c2", "line-3", "line-4", "c5", "line-6", "lp-chat", "lp-cmpl"])
     by_id = {r["custom_id"]: r for r in records}
-    assert by_id["line-4"]["error"]["code"] == "invalid_json"
+    assert by_id["line-4"]["error"]["code"] == "invalid_json" and by_id["line-4"]["error"]["line"] == 4
     assert "temperature" in by_id["c5"]["error"]["message"]
-    for cid in ("c1", "c2", "line-3", "line-6"):
-        body = by_id[cid]["response"]["body"]
-        assert body["usage"]["completion_tokens"] <= 4 and body["finish_reason"] in ("stop", "length")
+    bodies = {r["custom_id"]: validate_record(r) for r in records}  # every line, every body: OpenAI's types
+    for cid in ("c1", "c2", "line-3", "line-6", "lp-chat", "lp-cmpl"):
+        body = bodies[cid]
+        assert body.usage.completion_tokens <= 4 and body.choices[0].finish_reason in ("stop", "length")
+    assert bodies["c2"].model == "gpt-x" and bodies["lp-cmpl"].model == "smol" and bodies["c1"].model == "kiviq"
+    assert [b.object for b in (bodies["c1"], bodies["c2"])] == ["text_completion", "chat.completion"]
+    chat_lp = bodies["lp-chat"].choices[0].logprobs.content
+    assert len(chat_lp) == bodies["lp-chat"].usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.bytes == list(t.token.encode()) for t in chat_lp)
+    assert "".join(t.token for t in chat_lp) == bodies["lp-chat"].choices[0].message.content
+    cmpl_lp = bodies["lp-cmpl"].choices[0].logprobs
+    assert len(cmpl_lp.tokens) == len(cmpl_lp.token_logprobs) == len(cmpl_lp.text_offset) \
+        == bodies["lp-cmpl"].usage.completion_tokens
+    assert all(1 <= len(alts) <= 3 for alts in cmpl_lp.top_logprobs) and cmpl_lp.text_offset[0] == 0
     # Greedy: the bulk result equals the same request submitted directly.
     direct = Client(redis_url).submit(prompt="The capital of France is", max_tokens=4).result(timeout=300)
-    assert by_id["c1"]["response"]["body"]["text"] == direct.text
+    assert bodies["c1"].choices[0].text == direct.text
     print(f"bulk e2e: {time.monotonic() - t0:.1f} s")
 
 
@@ -619,7 +716,8 @@ def test_bulk_killed_and_rerun_runs_each_job_once(worker_process, redis_url, red
                            timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     summary = json.loads(rerun.stdout)
-    assert summary["skipped"] == done_before and summary["ok"] == n - done_before
+    # ok counts every line of OUT: the killed run's and this run's.
+    assert summary["skipped"] == done_before and summary["ok"] == n and summary["failed"] == 0
     # Jobs the killed run enqueued but had not written were awaited, not resubmitted.
     assert summary["reattached"] == enqueued_before - done_before
     records = read_out(out)
@@ -628,7 +726,9 @@ def test_bulk_killed_and_rerun_runs_each_job_once(worker_process, redis_url, red
 
     # Every job ran exactly once: n jobs finished, each with one rq result and
     # one stream (no restart), all under the idempotency-derived ids.
-    job_ids = {r["id"] for r in records}
+    for r in records:
+        validate_record(r)
+    job_ids = {r["response"]["request_id"] for r in records}
     assert len(job_ids) == n and all(j.startswith(job_id_for_idempotency_key("bulk-")) for j in job_ids)
     finished = FinishedJobRegistry(queue_name("default"), connection=redis_conn, serializer=JSONSerializer)
     assert set(finished.get_job_ids()) == job_ids
