@@ -22,10 +22,12 @@ completion order (see ``bulk_format``)::
      "error": {"code": "invalid_request", "message": "line 2: ...", "line": 2}}
 
 A run is resumable: custom_ids already in the output file (results and
-errors) are skipped (with ``retry_failed``, error lines are removed and rerun), and
-every job carries an idempotency key derived from the input file, the
-custom_id and the request, so a rerun re-attaches to jobs a killed run left
-queued or running instead of enqueueing them again.
+errors) are skipped, and every job carries an idempotency key derived from
+the input file, the custom_id and the request, so a rerun re-attaches to jobs
+a killed run left queued or running instead of enqueueing them again. With
+``retry_failed`` the error lines are first removed from the output file (an
+atomic rewrite) and their input lines run again; an earlier job of the same
+key that ended is deleted so that it really runs again.
 """
 
 from __future__ import annotations

@@ -320,6 +320,14 @@ def test_progress_is_tqdm():
     assert quiet.getvalue() == ""
 
 
+def test_progress_default_is_quiet_when_stderr_is_not_a_terminal(tmp_path, fake_conn, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", ['{"prompt": "broken'])  # an error line: no worker needed
+    summary = run_bulk(Client(connection=fake_conn), str(src), str(tmp_path / "out.jsonl"))
+    assert summary.failed == 1 and capsys.readouterr().err == ""
+    run_bulk(Client(connection=fake_conn), str(src), str(tmp_path / "out2.jsonl"), progress=True)
+    assert "bulk: 100%" in capsys.readouterr().err
+
+
 def test_invalid_defaults_raise():
     with pytest.raises(InvalidRequest, match="max_tokens"):
         Client(connection=fakeredis.FakeRedis()).bulk("nope.jsonl", "out.jsonl", defaults={"max_tokens": 0})
