@@ -9,18 +9,25 @@ or plain kiviq requests (``custom_id`` optional, default ``line-<n>``)::
 
     {"prompt": "The sky is", "max_tokens": 8}
 
-Output lines follow the OpenAI batch output shape, one per input line, in
-completion order::
+Output lines are OpenAI's batch output format, one per input line, in
+completion order (see ``bulk_format``)::
 
-    {"id": "<job id>", "custom_id": "q1", "line": 1, "error": null,
-     "response": {"status_code": 200, "body": {"text": ..., "finish_reason": ..., "usage": {...}}}}
-    {"id": null, "custom_id": "q2", "line": 2, "response": null,
-     "error": {"code": "invalid_request", "message": "line 2: ..."}}
+    {"id": "batch_req_<hex>", "custom_id": "q1", "error": null,
+     "response": {"status_code": 200, "request_id": "<kiviq job id>",
+                  "body": {"id": "chatcmpl-<job id>", "object": "chat.completion", "created": 1700000000,
+                           "model": "<request's model, else kiviq>", "choices": [{"index": 0,
+                           "message": {"role": "assistant", "content": "..."}, "finish_reason": "stop",
+                           "logprobs": null}], "usage": {...}, "kiviq": {"line": 1, ...}}}}
+    {"id": "batch_req_<hex>", "custom_id": "q2", "response": null,
+     "error": {"code": "invalid_request", "message": "line 2: ...", "line": 2}}
 
-A run is resumable: custom_ids already in the output file are skipped, and
-every job carries an idempotency key derived from the input file, the
-custom_id and the request, so a rerun re-attaches to jobs a killed run left
-queued or running instead of enqueueing them again.
+A run is resumable: custom_ids already in the output file (results and
+errors) are skipped, and every job carries an idempotency key derived from
+the input file, the custom_id and the request, so a rerun re-attaches to jobs
+a killed run left queued or running instead of enqueueing them again. With
+``retry_failed`` the error lines are first removed from the output file (an
+atomic rewrite) and their input lines run again; an earlier job of the same
+key that ended is deleted so that it really runs again.
 """
 
 from __future__ import annotations
@@ -34,11 +41,13 @@ from typing import IO, TYPE_CHECKING, Any
 
 from rq.job import Job
 from rq.serializers import JSONSerializer
+from tqdm import tqdm
 
 from kiviq.client.bulk_format import (
     BulkLine,
     check_defaults,
     count_lines,
+    drop_error_lines,
     error_record,
     idempotency_key,
     iter_input,
@@ -47,8 +56,8 @@ from kiviq.client.bulk_format import (
     read_done,
 )
 from kiviq.client.errors import QueueFull
-from kiviq.jobs.keys import event_channel, job_id_for_idempotency_key, replay_log
-from kiviq.jobs.models import EventType, GenerationResult, StreamEvent
+from kiviq.jobs.keys import cancel_flag, event_channel, job_id_for_idempotency_key, replay_log
+from kiviq.jobs.models import EventType, FinishReason, GenerationResult, StreamEvent
 
 if TYPE_CHECKING:
     from kiviq.client.client import Client
@@ -59,13 +68,19 @@ QUEUE_FULL_RETRY_S = 1.0
 
 @dataclass
 class BulkSummary:
-    """What a bulk run did. ``skipped``: already in the output file;
-    ``reattached``: jobs a previous run had enqueued, awaited not resubmitted."""
+    """What the output file holds after a run, and what the run did.
+
+    ``ok`` / ``failed``: result and error lines in the output file, including
+    lines earlier runs wrote; ``skipped``: input lines not run because the
+    output file had them; ``retried``: error lines removed to be rerun
+    (``retry_failed``); ``reattached``: jobs a previous run had enqueued,
+    awaited not resubmitted. Tokens and seconds are this run's."""
 
     total: int = 0
     ok: int = 0
     failed: int = 0
     skipped: int = 0
+    retried: int = 0
     reattached: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -76,48 +91,37 @@ class BulkSummary:
 
 
 class Progress:
-    """A one-line progress bar on stderr, redrawn in place with ``\\r``."""
+    """A tqdm bar on stderr over the lines this run works on (skipped lines
+    leave its total), with ok / failed / skipped counts and tokens/s."""
 
     def __init__(self, summary: BulkSummary, enabled: bool, stream: IO[str] | None = None):
         self.summary = summary
-        self.enabled = enabled
-        self.stream = stream or sys.stderr
         self.started = time.monotonic()
-        self._last_draw = 0.0
-        self._width = 0
+        self.bar = tqdm(total=summary.total, desc="bulk", unit="line", file=stream or sys.stderr,
+                        disable=not enabled, dynamic_ncols=True, mininterval=0.2)
 
-    def line(self) -> str:
+    def postfix(self) -> dict[str, Any]:
         s = self.summary
-        done = s.ok + s.failed + s.skipped
         elapsed = max(time.monotonic() - self.started, 1e-9)
-        processed = s.ok + s.failed  # this run's own work, for the rate
-        if processed and done < s.total:
-            eta_s = (s.total - done) * elapsed / processed
-            eta = f"{int(eta_s // 3600)}:{int(eta_s % 3600 // 60):02d}:{int(eta_s % 60):02d}"
-        else:
-            eta = "--:--:--" if done < s.total else "0:00:00"
-        pct = 100.0 * done / s.total if s.total else 100.0
-        return (f"bulk {done}/{s.total} ({pct:.0f}%) ok {s.ok} failed {s.failed} skipped {s.skipped} | "
-                f"{s.completion_tokens / elapsed:.1f} tok/s | ETA {eta}")
+        return {"ok": s.ok, "failed": s.failed, "skipped": s.skipped,
+                "tok/s": f"{s.completion_tokens / elapsed:.1f}"}
 
-    def update(self, force: bool = False) -> None:
-        if not self.enabled:
-            return
-        t = time.monotonic()
-        if not force and t - self._last_draw < 0.2:
-            return
-        self._last_draw = t
-        text = self.line()
-        pad = max(0, self._width - len(text))
-        self._width = len(text)
-        self.stream.write("\r" + text + " " * pad)
-        self.stream.flush()
+    def advance(self) -> None:
+        """One line of this run written."""
+        self.bar.set_postfix(self.postfix(), refresh=False)
+        self.bar.update(1)
+
+    def skip(self) -> None:
+        """One line found done already: out of the bar's total (and its rate)."""
+        if self.bar.total:
+            self.bar.total -= 1
+        self.bar.set_postfix(self.postfix(), refresh=False)
+        if not self.bar.disable:
+            self.bar.refresh()
 
     def close(self) -> None:
-        if self.enabled:
-            self.update(force=True)
-            self.stream.write("\n")
-            self.stream.flush()
+        self.bar.set_postfix(self.postfix(), refresh=False)
+        self.bar.close()
 
 
 # ---- the run -------------------------------------------------------------
@@ -125,7 +129,7 @@ class Progress:
 
 class _BulkRun:
     def __init__(self, client: "Client", in_path: str, out_path: str, max_in_flight: int,
-                 defaults: dict[str, Any], progress: bool | None):
+                 defaults: dict[str, Any], progress: bool | None, retry_failed: bool = False):
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
         self.client = client
@@ -134,23 +138,32 @@ class _BulkRun:
         self.out_path = out_path
         self.max_in_flight = max_in_flight
         self.defaults = defaults
+        self.retry_failed = retry_failed
         self.summary = BulkSummary()
-        enabled = sys.stderr.isatty() if progress is None else progress
-        self.progress = Progress(self.summary, enabled)
+        self.progress_enabled = sys.stderr.isatty() if progress is None else progress
+        self.progress: Progress | None = None
         self.in_flight: dict[str, BulkLine] = {}
         self.suspect: dict[str, int] = {}  # job id -> sweeps that found it gone without a final event
         self.seen_ids: set[str] = set()
+        self.retry_ids: set[str] = set()  # custom_ids of the error lines a retry_failed run removed
         self.out: IO[str] | None = None
         self.pubsub = None
 
     def run(self) -> BulkSummary:
         started = time.monotonic()
-        self.summary.total = count_lines(self.in_path)  # FileNotFoundError before OUT is touched
-        done_ids, done_dup_lines = read_done(self.out_path)
+        # Nothing touches OUT until the run can start: the input exists, Redis answers.
+        self.summary.total = count_lines(self.in_path)  # FileNotFoundError
+        self.redis.ping()  # redis.ConnectionError (and friends)
+        if self.retry_failed:
+            self.retry_ids = set(drop_error_lines(self.out_path))
+            self.summary.retried = len(self.retry_ids)
+        state = read_done(self.out_path)
+        self.summary.ok, self.summary.failed = state.ok, state.failed
+        self.progress = Progress(self.summary, self.progress_enabled)
         self.pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         self.out = open(self.out_path, "a", encoding="utf-8")
         try:
-            lines = self._lines(done_ids, done_dup_lines)
+            lines = self._lines(state.done_ids, state.dup_lines)
             retry: BulkLine | None = None
             exhausted = False
             blocked_until = 0.0
@@ -171,7 +184,6 @@ class _BulkRun:
                     new_ids.append(job_id)
                 if new_ids:  # jobs a previous run left that have ended already
                     self._sweep(new_ids)
-                self.progress.update()
                 if exhausted and retry is None and not self.in_flight:
                     break
                 if not self.in_flight:
@@ -201,21 +213,22 @@ class _BulkRun:
                 line = parse_line(text, n, self.defaults)
             if line.custom_id in self.seen_ids:
                 if n in done_dup_lines:
-                    self.summary.skipped += 1
+                    self._skip()
                 else:
                     self._write(error_record(line, f"line {n}: duplicate custom_id {line.custom_id!r} "
-                                                   "(an earlier line has it)", "duplicate_custom_id"))
-                    self.summary.failed += 1
+                                                   "(an earlier line has it)", "duplicate_custom_id"), ok=False)
                 continue
             self.seen_ids.add(line.custom_id)
             if line.custom_id in done_ids:
-                self.summary.skipped += 1
+                self._skip()
             elif line.error is not None:
-                self._write(error_record(line, line.error, line.code or "invalid_request"))
-                self.summary.failed += 1
+                self._write(error_record(line, line.error, line.code or "invalid_request"), ok=False)
             else:
                 yield line
-            self.progress.update()
+
+    def _skip(self) -> None:
+        self.summary.skipped += 1
+        self.progress.skip()
 
     def _submit(self, line: BulkLine) -> str | None:
         """Enqueue a line's job (or find the one a previous run enqueued);
@@ -224,6 +237,8 @@ class _BulkRun:
         job_id = job_id_for_idempotency_key(key)
         self.pubsub.subscribe(event_channel(job_id))  # before the job can produce events
         existed = bool(self.redis.exists(Job.key_for(job_id)))
+        if existed and line.custom_id in self.retry_ids:
+            existed = not self._forget_ended_job(job_id)
         try:
             handle = self.client.enqueue(line.request.model_copy(update={"idempotency_key": key}))
         except QueueFull:
@@ -233,6 +248,21 @@ class _BulkRun:
         self.summary.reattached += existed
         self.in_flight[job_id] = line
         return job_id
+
+    def _forget_ended_job(self, job_id: str) -> bool:
+        """Delete a job that ended (an earlier run's failure being retried) so
+        the same idempotency key enqueues a fresh one; True if deleted. A job
+        still queued or running is kept and re-attached to."""
+        status = self.redis.hget(Job.key_for(job_id), "status")
+        status = status.decode() if isinstance(status, bytes) else status
+        if status not in ("finished", "failed", "stopped", "canceled"):
+            return False
+        try:
+            Job.fetch(job_id, connection=self.redis, serializer=JSONSerializer).delete()
+        except Exception:  # noqa: BLE001 - unreadable job data: drop its key directly
+            self.redis.delete(Job.key_for(job_id))
+        self.redis.delete(replay_log(job_id), cancel_flag(job_id))
+        return True
 
     def _on_message(self, message: dict) -> None:
         try:
@@ -291,10 +321,10 @@ class _BulkRun:
 
     def _finish(self, event: StreamEvent) -> None:
         job_id = event.job_id
-        if event.type == EventType.done and event.result is not None:
+        if event.type == EventType.done and event.result is not None \
+                and event.result.finish_reason != FinishReason.error:
             line = self._forget(job_id)
-            self._write(ok_record(line, event))
-            self.summary.ok += 1
+            self._write(ok_record(line, event), ok=True)
             self.summary.prompt_tokens += event.result.usage.prompt_tokens
             self.summary.completion_tokens += event.result.usage.completion_tokens
         else:
@@ -302,41 +332,53 @@ class _BulkRun:
 
     def _fail(self, job_id: str, message: str) -> None:
         line = self._forget(job_id)
-        self._write(error_record(line, message, "job_failed", job_id))
-        self.summary.failed += 1
+        self._write(error_record(line, message, "job_failed"), ok=False)
 
     def _forget(self, job_id: str) -> BulkLine:
         self.suspect.pop(job_id, None)
         self.pubsub.unsubscribe(event_channel(job_id))
         return self.in_flight.pop(job_id)
 
-    def _write(self, record: dict[str, Any]) -> None:
+    def _write(self, record: dict[str, Any], ok: bool) -> None:
         self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
         self.out.flush()
-        self.progress.update()
+        if ok:
+            self.summary.ok += 1
+        else:
+            self.summary.failed += 1
+        self.progress.advance()
 
 
 def run_bulk(client: "Client", in_path: str, out_path: str, *, max_in_flight: int = 64,
-             defaults: dict[str, Any] | None = None, progress: bool | None = None) -> BulkSummary:
+             defaults: dict[str, Any] | None = None, progress: bool | None = None,
+             retry_failed: bool = False) -> BulkSummary:
     """Generate for every line of ``in_path``, appending results to ``out_path``.
 
     Args:
         client: the Client whose Redis the jobs go to.
         in_path: JSONL input (OpenAI Batch API lines or plain request lines).
-        out_path: JSONL output; appended to. Lines whose custom_id is already
-            there are skipped, so a rerun resumes a killed run.
+        out_path: JSONL output (OpenAI batch output lines); appended to.
+            Lines whose custom_id is already there (result or error) are
+            skipped, so a rerun resumes a killed run. Not created or touched
+            when the run cannot start (missing input, Redis unreachable).
         max_in_flight: most jobs queued or running at once.
         defaults: request fields every line starts from (e.g. max_tokens);
             a line's own fields win.
-        progress: draw a progress bar on stderr: None (default) when stderr
+        progress: a tqdm progress bar on stderr: None (default) when stderr
             is a TTY, True always, False never.
+        retry_failed: remove the error lines already in ``out_path`` (an
+            atomic rewrite) and run their input lines again, so the file
+            still holds one line per custom_id.
 
     Returns:
-        A BulkSummary (ok / failed / skipped counts, tokens, seconds).
+        A BulkSummary: ok / failed count every line of ``out_path``
+        (earlier runs' too), plus skipped, tokens, seconds.
 
     Raises:
         InvalidRequest: ``defaults`` are invalid (per-line problems are
             written to ``out_path``, never raised).
         FileNotFoundError: ``in_path`` does not exist.
+        redis.exceptions.ConnectionError: Redis cannot be reached.
     """
-    return _BulkRun(client, in_path, out_path, max_in_flight, check_defaults(defaults), progress).run()
+    return _BulkRun(client, in_path, out_path, max_in_flight, check_defaults(defaults), progress,
+                    retry_failed).run()

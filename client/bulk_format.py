@@ -8,17 +8,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
+import time
+import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from kiviq.jobs.models import GenerateRequest, StreamEvent
+from kiviq.jobs.models import FinishReason, GenerateRequest, GenerationResult, StreamEvent
 from kiviq.jobs.validation import InvalidRequest, validate_request
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 OPENAI_LINE_KEYS = {"custom_id", "method", "url", "body"}
-# OpenAI body fields kiviq maps (model is ignored; n must be 1). Logprobs: chat
+# OpenAI body fields kiviq maps (model is echoed in the output; n must be 1). Logprobs: chat
 # takes ``logprobs: bool`` + ``top_logprobs: N``, completions ``logprobs: N``.
 OPENAI_BODY_FIELDS = {"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                       "stop", "seed", "model", "n", "logprobs", "top_logprobs"}
@@ -47,6 +50,7 @@ class BulkLine:
     request: GenerateRequest | None = None
     error: str | None = None
     code: str | None = None
+    model: str | None = None  # the request's ``model``, echoed in the output body
 
 
 # ---- parsing (pure) ------------------------------------------------------
@@ -130,6 +134,7 @@ def parse_line(text: str, line_no: int, defaults: dict[str, Any] | None = None) 
     line's own when readable, else ``line-<n>``.
     """
     custom_id = f"line-{line_no}"
+    model = None
     try:
         obj = json.loads(text)
     except ValueError as e:
@@ -151,14 +156,18 @@ def parse_line(text: str, line_no: int, defaults: dict[str, Any] | None = None) 
             if "body" not in obj:
                 raise LineError("body: required")
             fields = openai_body_fields(obj.get("url"), obj["body"])
+            model = obj["body"].get("model")
         else:
-            fields = {k: v for k, v in obj.items() if k != "custom_id"}
+            fields = {k: v for k, v in obj.items() if k not in ("custom_id", "model")}
+            model = obj.get("model")
             if "idempotency_key" in fields:
                 raise LineError("idempotency_key: set by bulk from the custom_id; remove it")
+        if model is not None and not isinstance(model, str):
+            raise LineError(("body.model" if "body" in obj else "model") + ": must be a string")
         request = validate_request({**(defaults or {}), **fields})
     except (LineError, InvalidRequest) as e:
         return BulkLine(line_no, custom_id, error=f"line {line_no}: {e}", code=getattr(e, "code", "invalid_request"))
-    return BulkLine(line_no, custom_id, request=request)
+    return BulkLine(line_no, custom_id, request=request, model=model)
 
 
 def check_defaults(defaults: dict[str, Any] | None) -> dict[str, Any]:
@@ -184,58 +193,191 @@ def idempotency_key(in_path: str, custom_id: str, request: GenerateRequest) -> s
 
 
 # ---- output records ------------------------------------------------------
+#
+# One line per input line, in OpenAI's batch output format:
+#   {"id": "batch_req_<hex>", "custom_id": ..., "error": null,
+#    "response": {"status_code": 200, "request_id": "<kiviq job id>", "body": <completion>}}
+#   {"id": "batch_req_<hex>", "custom_id": ..., "response": null,
+#    "error": {"code": ..., "message": ..., "line": <input line>}}
+# The body is a ``chat.completion`` (messages) or ``text_completion`` (prompt)
+# object; kiviq's own fields sit under its one extra key ``kiviq``.
+
+EXTRA_KEY = "kiviq"
+DEFAULT_MODEL = "kiviq"  # the body's ``model`` when neither the request nor the result names one
+# kiviq finish reason -> OpenAI's. A cancelled or timed-out job ended early with
+# partial text: "length" (cut short), the original kept in body["kiviq"]["finish_reason"].
+FINISH_REASONS = {FinishReason.stop: "stop", FinishReason.length: "length",
+                  FinishReason.cancelled: "length", FinishReason.timeout: "length"}
+
+
+def batch_request_id() -> str:
+    return "batch_req_" + uuid.uuid4().hex
+
+
+def _token_bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8"))
+
+
+def chat_logprobs(result: GenerationResult) -> dict[str, Any]:
+    """OpenAI chat's ``choices[0].logprobs``: {content: [{token, logprob, bytes, top_logprobs}]}."""
+    return {"content": [
+        {"token": t.token, "logprob": t.logprob, "bytes": _token_bytes(t.token),
+         "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": _token_bytes(a.token)}
+                          for a in t.top_logprobs]}
+        for t in result.logprobs or []], "refusal": None}
+
+
+def completion_logprobs(result: GenerationResult) -> dict[str, Any]:
+    """Legacy completions' ``choices[0].logprobs``: parallel lists; ``text_offset``
+    is each token's character offset in the generated text (tokens' texts summed)."""
+    tokens, offsets, offset = [], [], 0
+    for t in result.logprobs or []:
+        tokens.append(t.token)
+        offsets.append(offset)
+        offset += len(t.token)
+    return {"tokens": tokens, "token_logprobs": [t.logprob for t in result.logprobs or []],
+            "top_logprobs": [{a.token: a.logprob for a in t.top_logprobs} for t in result.logprobs or []],
+            "text_offset": offsets}
+
+
+def completion_body(line: BulkLine, result: GenerationResult, created: int | None = None) -> dict[str, Any]:
+    """The OpenAI ``chat.completion`` / ``text_completion`` object of a result."""
+    chat = line.request is not None and line.request.messages is not None
+    model = line.model or getattr(result, "model", None) or DEFAULT_MODEL
+    choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH_REASONS.get(result.finish_reason, "stop")}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": result.text, "refusal": None}
+    else:
+        choice["text"] = result.text
+    if result.logprobs is not None:
+        choice["logprobs"] = chat_logprobs(result) if chat else completion_logprobs(result)
+    else:
+        choice["logprobs"] = None
+    usage = result.usage
+    return {
+        "id": ("chatcmpl-" if chat else "cmpl-") + result.job_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()) if created is None else created,
+        "model": model,
+        "choices": [choice],
+        "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                  "total_tokens": usage.total_tokens},
+        EXTRA_KEY: {"line": line.line_no, "finish_reason": result.finish_reason.value,
+                    "timing": result.timing.model_dump(mode="json")},
+    }
 
 
 def ok_record(line: BulkLine, event: StreamEvent) -> dict[str, Any]:
-    result = event.result
-    usage = result.usage
-    record = {
-        "id": event.job_id, "custom_id": line.custom_id, "line": line.line_no,
-        "response": {"status_code": 200, "body": {
-            "text": result.text,
-            "finish_reason": result.finish_reason.value,
-            "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                      "total_tokens": usage.total_tokens},
-        }},
-        "error": None,
-    }
-    if result.logprobs is not None:  # OpenAI chat's shape: {"content": [{token, logprob, top_logprobs}, ...]}
-        record["response"]["body"]["logprobs"] = {"content": [t.model_dump(mode="json") for t in result.logprobs]}
-    return record
+    return {"id": batch_request_id(), "custom_id": line.custom_id,
+            "response": {"status_code": 200, "request_id": event.job_id,
+                         "body": completion_body(line, event.result)},
+            "error": None}
 
 
-def error_record(line: BulkLine, message: str, code: str, job_id: str | None = None) -> dict[str, Any]:
-    return {"id": job_id, "custom_id": line.custom_id, "line": line.line_no, "response": None,
-            "error": {"code": code, "message": message}}
+def error_record(line: BulkLine, message: str, code: str) -> dict[str, Any]:
+    return {"id": batch_request_id(), "custom_id": line.custom_id, "response": None,
+            "error": {"code": code, "message": message, "line": line.line_no}}
 
 
-def read_done(out_path: str) -> tuple[set[str], set[int]]:
-    """custom_ids (and, for duplicate-id errors, line numbers) already in the
-    output file. A truncated last line (a run killed mid-write) is cut off
-    the file; other unreadable lines are ignored.
-    """
-    ids: set[str] = set()
-    dup_lines: set[int] = set()
+def _record_line(record: dict[str, Any]) -> int:
+    """A record's input line number (error.line, body.kiviq.line, or the
+    pre-OpenAI-format top-level ``line``); 0 if it has none."""
+    error = record.get("error")
+    if isinstance(error, dict) and isinstance(error.get("line"), int):
+        return error["line"]
+    body = (record.get("response") or {}).get("body") if isinstance(record.get("response"), dict) else None
+    extra = body.get(EXTRA_KEY) if isinstance(body, dict) else None
+    if isinstance(extra, dict) and isinstance(extra.get("line"), int):
+        return extra["line"]
+    line = record.get("line")
+    return line if isinstance(line, int) else 0
+
+
+@dataclass
+class OutState:
+    """What the output file already holds. ``ok_ids`` / ``error_ids``: custom_ids
+    of result and error lines; ``dup_lines``: input line numbers of
+    duplicate-custom_id errors; ``ok`` / ``failed``: its line counts."""
+
+    ok_ids: set[str] = field(default_factory=set)
+    error_ids: set[str] = field(default_factory=set)
+    dup_lines: set[int] = field(default_factory=set)
+    ok: int = 0
+    failed: int = 0
+
+    @property
+    def done_ids(self) -> set[str]:
+        return self.ok_ids | self.error_ids
+
+
+def _read_records(out_path: str) -> list[tuple[bytes, dict[str, Any] | None]]:
+    """(raw line, parsed record or None) of the output file. A truncated last
+    line (a run killed mid-write) is cut off the file."""
     if not os.path.exists(out_path):
-        return ids, dup_lines
+        return []
     with open(out_path, "rb+") as f:
         data = f.read()
         if data and not data.endswith(b"\n"):
             keep = data.rfind(b"\n") + 1
             f.truncate(keep)
             data = data[:keep]
+    out = []
     for raw in data.splitlines():
         try:
             record = json.loads(raw)
-            cid = record["custom_id"]
-        except (ValueError, KeyError, TypeError):
+            if not isinstance(record, dict) or not isinstance(record.get("custom_id"), str):
+                record = None
+        except ValueError:
+            record = None
+        out.append((raw, record))
+    return out
+
+
+def read_done(out_path: str) -> OutState:
+    """The state of the output file (see OutState); unreadable lines are ignored."""
+    state = OutState()
+    for _raw, record in _read_records(out_path):
+        if record is None:
             continue
-        error = record.get("error") or {}
-        if isinstance(error, dict) and error.get("code") == "duplicate_custom_id":
-            dup_lines.add(int(record.get("line", 0)))
+        error = record.get("error")
+        if error:
+            state.failed += 1
+            if isinstance(error, dict) and error.get("code") == "duplicate_custom_id":
+                state.dup_lines.add(_record_line(record))
+            else:
+                state.error_ids.add(record["custom_id"])
         else:
-            ids.add(cid)
-    return ids, dup_lines
+            state.ok += 1
+            state.ok_ids.add(record["custom_id"])
+    return state
+
+
+def drop_error_lines(out_path: str) -> list[str]:
+    """Remove every error line from the output file (for a rerun of failed
+    lines), atomically: a temporary file in the same directory replaces it.
+    Returns the removed lines' custom_ids."""
+    records = _read_records(out_path)
+    keep = [raw for raw, record in records if record is None or not record.get("error")]
+    dropped = [record["custom_id"] for _raw, record in records if record is not None and record.get("error")]
+    if not dropped:
+        return dropped
+    directory = os.path.dirname(os.path.abspath(out_path))
+    fd, tmp = tempfile.mkstemp(prefix=".kiviq-bulk-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"".join(raw + b"\n" for raw in keep))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.chmod(tmp, os.stat(out_path).st_mode & 0o7777)
+        except OSError:
+            pass
+        os.replace(tmp, out_path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return dropped
 
 
 def count_lines(in_path: str) -> int:
@@ -254,6 +396,3 @@ def iter_input(in_path: str) -> Iterator[tuple[int, str | None]]:
                 yield n, raw.decode("utf-8")
             except UnicodeDecodeError:
                 yield n, None
-
-
-# ---- progress ------------------------------------------------------------

@@ -148,16 +148,24 @@ def cmd_top(args: argparse.Namespace) -> int:
 def cmd_bulk(args: argparse.Namespace) -> int:
     import json
 
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    from kiviq.client.bulk import run_bulk
     from kiviq.jobs.validation import InvalidRequest
 
     defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                     stop=args.stop, priority=args.priority, timeout_s=args.job_timeout)
     try:
-        summary = Client(args.redis_url).bulk(args.input, args.output, max_in_flight=args.max_in_flight,
-                                              defaults=defaults, progress=args.progress)
+        summary = run_bulk(Client(args.redis_url), args.input, args.output, max_in_flight=args.max_in_flight,
+                           defaults=defaults, progress=args.progress, retry_failed=args.retry_failed)
     except (InvalidRequest, FileNotFoundError, ValueError) as e:
-        print(f"kiviq bulk: {e}", file=sys.stderr)
+        print(f"kiviq: error: bulk: {e}", file=sys.stderr)
         return 2
+    except (RedisConnectionError, RedisTimeoutError) as e:
+        print(f"kiviq: error: bulk: cannot reach Redis ({e}); start it or pass --redis-url "
+              "(nothing was written)", file=sys.stderr)
+        return 1
     print(json.dumps(summary.as_dict()), flush=True)
     return 0 if summary.failed == 0 else 1
 
@@ -266,10 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_top)
 
     b = add("bulk", help="run a JSONL file of requests (OpenAI Batch API or plain lines); resumable",
-            description="Each result line (OpenAI batch output shape, with its custom_id) is appended "
-                        "to OUT as its job finishes; a rerun skips custom_ids already in OUT and "
-                        "re-attaches to jobs a killed run left queued. Exit status 1 if any line "
-                        "failed (the error is in OUT), 2 on a usage error.")
+            description="Each result line (OpenAI batch output format, with its custom_id) is "
+                        "appended to OUT as its job finishes; a rerun skips custom_ids already in "
+                        "OUT (results and errors) and re-attaches to jobs a killed run left queued. "
+                        "The summary counts every line of OUT, earlier runs' too. Exit status 1 if "
+                        "any line of OUT is an error (or Redis cannot be reached; OUT is then not "
+                        "touched), 2 on a usage error.")
     b.add_argument("input", metavar="IN.jsonl")
     b.add_argument("output", metavar="OUT.jsonl")
     b.add_argument("--max-in-flight", type=int, default=64, help="most jobs queued or running at once")
@@ -282,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--priority", choices=("high", "default", "low"), default=None,
                    help="queue, for lines that do not set it (default: default)")
     b.add_argument("--job-timeout", type=float, default=None, help="seconds each job may run (default: none)")
+    b.add_argument("--retry-failed", action="store_true",
+                   help="rerun the input lines whose line in OUT is an error, replacing it (OUT keeps one "
+                        "line per custom_id)")
     b.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: when stderr is a terminal)")
     b.set_defaults(func=cmd_bulk)

@@ -159,12 +159,12 @@ class Client:
         return JobHandle(self, job_id)
 
     def bulk(self, in_path: str, out_path: str, *, max_in_flight: int = 64,
-             defaults: dict[str, Any] | None = None, progress: bool | None = None):
+             defaults: dict[str, Any] | None = None, progress: bool | None = None, retry_failed: bool = False):
         """Run every request of a JSONL file (OpenAI Batch API or plain lines),
         appending one result line per custom_id to ``out_path``; resumable.
         See ``client.bulk.run_bulk``; returns its BulkSummary."""
         return run_bulk(self, in_path, out_path, max_in_flight=max_in_flight, defaults=defaults,
-                        progress=progress)
+                        progress=progress, retry_failed=retry_failed)
 
     def cancel(self, job_id: str) -> bool:
         """Stop a queued job, or a running one at its next decode step (its KV

@@ -1,6 +1,8 @@
-"""Bulk JSONL generation: line parsing and OpenAI mapping, output records,
-resume (fakeredis with a fake worker thread), and end to end with a real
-worker, including a SIGKILLed run that is rerun."""
+"""Bulk JSONL generation: line parsing and OpenAI mapping, output records
+(validated with the ``openai`` package's own types), resume and
+--retry-failed (fakeredis with a fake worker thread), the CLI's summary and
+exit status, and end to end with a real worker, including a SIGKILLed run
+that is rerun."""
 
 from __future__ import annotations
 
@@ -15,18 +17,77 @@ from pathlib import Path
 
 import fakeredis
 import pytest
+from openai.types import Completion
+from openai.types.batch_error import BatchError
+from openai.types.chat import ChatCompletion
+from pydantic import BaseModel, ConfigDict
 from rq.job import Job
 from rq.registry import FinishedJobRegistry
 from rq.serializers import JSONSerializer
 
 from kiviq.client import Client, InvalidRequest
-from kiviq.client.bulk import BulkSummary, Progress
-from kiviq.client.bulk_format import idempotency_key, parse_line, read_done
+from kiviq.client.bulk import BulkSummary, Progress, run_bulk
+from kiviq.client.bulk_format import drop_error_lines, error_record, idempotency_key, ok_record, parse_line, read_done
+from kiviq.client.cli import main as cli_main
 from kiviq.jobs.keys import job_id_for_idempotency_key, max_queued_key, queue_name, queue_names, replay_log
-from kiviq.jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, Usage
+from kiviq.jobs.models import (EventType, FinishReason, GenerationResult, StreamEvent, TokenLogprob, TopLogprob,
+                               Usage)
 from kiviq.jobs.publisher import EventPublisher
 
 ROOT = Path(__file__).resolve().parents[1]
+
+try:  # OpenAI's batch output line type, where this openai version has one (3.57 does not)
+    from openai.types import BatchRequestOutput
+except ImportError:
+    class _Response(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        status_code: int
+        request_id: str
+        body: dict
+
+    class BatchRequestOutput(BaseModel):
+        """OpenAI's documented batch output line (platform.openai.com/docs/api-reference/batch/request-output)."""
+
+        model_config = ConfigDict(extra="forbid")
+        id: str
+        custom_id: str
+        response: _Response | None
+        error: BatchError | None
+
+
+def validate_record(record: dict) -> ChatCompletion | Completion | None:
+    """Validate one output line as OpenAI batch output, its body as a
+    ChatCompletion / Completion; returns the body (None for error lines)."""
+    line = BatchRequestOutput.model_validate(record)
+    assert record["id"].startswith("batch_req_") and len(record["id"]) > len("batch_req_")
+    assert (record["response"] is None) != (record["error"] is None)
+    if record["error"] is not None:
+        assert set(record["error"]) == {"code", "message", "line"}
+        return None
+    assert record["response"]["status_code"] == 200 and line.response.request_id
+    body = record["response"]["body"]
+    assert set(body) == {"id", "object", "created", "model", "choices", "usage", "kiviq"}  # one extra key
+    assert isinstance(body["created"], int) and len(body["choices"]) == 1
+    if body["object"] == "chat.completion":
+        parsed = ChatCompletion.model_validate(body)
+        assert body["id"] == "chatcmpl-" + record["response"]["request_id"]
+        assert parsed.choices[0].message.role == "assistant" and "text" not in body["choices"][0]
+    else:
+        assert body["object"] == "text_completion"
+        parsed = Completion.model_validate(body)
+        assert body["id"] == "cmpl-" + record["response"]["request_id"]
+        assert "message" not in body["choices"][0]
+    assert parsed.usage.total_tokens == parsed.usage.prompt_tokens + parsed.usage.completion_tokens
+    return parsed
+
+
+def text_of(record: dict) -> str:
+    choice = record["response"]["body"]["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def line_of(record: dict) -> int:
+    return record["error"]["line"] if record["error"] else record["response"]["body"]["kiviq"]["line"]
 
 
 def write_jsonl(path: Path, lines: list) -> Path:
@@ -79,20 +140,90 @@ def test_openai_logprobs_fields_map():
     assert "body.top_logprobs" in bad.error
 
 
-def test_ok_record_carries_logprobs_only_when_present():
-    from kiviq.client.bulk_format import ok_record
-    from kiviq.jobs.models import TokenLogprob, TopLogprob
+def _result(finish=FinishReason.length, logprobs=False) -> GenerationResult:
+    result = GenerationResult(job_id="kiviq-j1", text=" aé", token_ids=[7, 8], finish_reason=finish,
+                              usage=Usage(prompt_tokens=3, completion_tokens=2))
+    if logprobs:
+        result.logprobs = [
+            TokenLogprob(token_id=7, token=" a", logprob=-0.5, top_logprobs=[
+                TopLogprob(token_id=7, token=" a", logprob=-0.5), TopLogprob(token_id=9, token=" b", logprob=-1.5)]),
+            TokenLogprob(token_id=8, token="é", logprob=-9999.0, top_logprobs=[
+                TopLogprob(token_id=3, token="x", logprob=-0.1), TopLogprob(token_id=8, token="é", logprob=-9999.0)]),
+        ]
+    return result
 
-    line = parse_line(json.dumps({"prompt": "Hi"}), 1)
-    result = GenerationResult(job_id="j", text=" a", token_ids=[7], finish_reason=FinishReason.length,
-                              usage=Usage(prompt_tokens=1, completion_tokens=1))
-    done = StreamEvent(job_id="j", seq=1, type=EventType.done, result=result)
-    assert "logprobs" not in ok_record(line, done)["response"]["body"]
-    result.logprobs = [TokenLogprob(token_id=7, token=" a", logprob=-0.5,
-                                    top_logprobs=[TopLogprob(token_id=7, token=" a", logprob=-0.5)])]
-    body = ok_record(line, done)["response"]["body"]
-    assert body["logprobs"] == {"content": [{"token_id": 7, "token": " a", "logprob": -0.5, "top_logprobs": [
-        {"token_id": 7, "token": " a", "logprob": -0.5}]}]}
+
+def _done(result: GenerationResult) -> StreamEvent:
+    return StreamEvent(job_id=result.job_id, seq=2, type=EventType.done, result=result,
+                       finish_reason=result.finish_reason)
+
+
+CHAT_LINE = json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": {
+    "model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 2}})
+COMPLETION_LINE = json.dumps({"custom_id": "p", "method": "POST", "url": "/v1/completions", "body": {
+    "model": "gpt-3.5-turbo-instruct", "prompt": "Hi", "logprobs": 2}})
+
+
+def test_chat_body_validates_as_openai_chat_completion_with_logprobs():
+    line = parse_line(CHAT_LINE, 4)
+    record = ok_record(line, _done(_result(logprobs=True)))
+    body = validate_record(record)
+    assert isinstance(body, ChatCompletion) and body.object == "chat.completion"
+    assert record["custom_id"] == "c" and record["response"]["request_id"] == "kiviq-j1"
+    assert body.model == "gpt-4o-mini"  # echoed from the request
+    choice = body.choices[0]
+    assert (choice.index, choice.message.content, choice.finish_reason) == (0, " aé", "length")
+    content = choice.logprobs.content
+    assert [(t.token, t.logprob, t.bytes) for t in content] == [(" a", -0.5, [32, 97]), ("é", -9999.0, [195, 169])]
+    assert [(a.token, a.logprob, a.bytes) for a in content[0].top_logprobs] == [(" a", -0.5, [32, 97]),
+                                                                             (" b", -1.5, [32, 98])]
+    assert body.usage.model_dump(exclude_none=True) == {"prompt_tokens": 3, "completion_tokens": 2,
+                                                        "total_tokens": 5}
+    assert record["response"]["body"]["kiviq"]["line"] == 4
+    assert record["response"]["body"]["kiviq"]["finish_reason"] == "length"
+
+
+def test_completion_body_validates_as_openai_completion_with_logprobs():
+    line = parse_line(COMPLETION_LINE, 2)
+    body = validate_record(ok_record(line, _done(_result(finish=FinishReason.stop, logprobs=True))))
+    assert isinstance(body, Completion) and body.object == "text_completion"
+    assert body.model == "gpt-3.5-turbo-instruct" and body.id == "cmpl-kiviq-j1"
+    choice = body.choices[0]
+    assert (choice.index, choice.text, choice.finish_reason) == (0, " aé", "stop")
+    lp = choice.logprobs
+    assert lp.tokens == [" a", "é"] and lp.token_logprobs == [-0.5, -9999.0]
+    assert lp.top_logprobs == [{" a": -0.5, " b": -1.5}, {"x": -0.1, "é": -9999.0}]
+    assert lp.text_offset == [0, 2]
+
+
+def test_bodies_without_logprobs_and_default_model():
+    plain_chat = parse_line('{"messages": [{"role": "user", "content": "q"}]}', 1)
+    plain_prompt = parse_line('{"prompt": "q", "model": "my-model"}', 2)
+    assert plain_prompt.error is None and plain_prompt.model == "my-model"  # plain lines may name a model too
+    chat = ok_record(plain_chat, _done(_result()))
+    assert chat["response"]["body"]["choices"][0]["logprobs"] is None
+    assert validate_record(chat).model == "kiviq"  # no model in the request (nor the result)
+    assert validate_record(ok_record(plain_prompt, _done(_result()))).model == "my-model"
+    assert "body.model" in parse_line('{"url": "/v1/completions", "body": {"prompt": "x", "model": 3}}', 1).error
+
+
+@pytest.mark.parametrize("kiviq_reason, openai_reason", [
+    (FinishReason.stop, "stop"), (FinishReason.length, "length"),
+    (FinishReason.cancelled, "length"), (FinishReason.timeout, "length"),
+])
+def test_finish_reason_mapping(kiviq_reason, openai_reason):
+    for text in (CHAT_LINE, COMPLETION_LINE):
+        record = ok_record(parse_line(text, 1), _done(_result(finish=kiviq_reason)))
+        assert validate_record(record).choices[0].finish_reason == openai_reason
+        assert record["response"]["body"]["kiviq"]["finish_reason"] == kiviq_reason.value
+
+
+def test_error_record_shape():
+    record = error_record(parse_line('{"custom_id": "e", "prompt": 1}', 7), "line 7: prompt: bad", "invalid_request")
+    assert validate_record(record) is None
+    assert record["error"] == {"code": "invalid_request", "message": "line 7: prompt: bad", "line": 7}
+    assert BatchError.model_validate(record["error"]).line == 7
+    assert ok_record(parse_line(CHAT_LINE, 1), _done(_result()))["id"] != record["id"]
 
 
 def test_plain_lines_and_defaults():
@@ -139,21 +270,62 @@ def test_idempotency_key_is_stable_and_valid():
 
 
 def test_read_done_repairs_a_truncated_last_line(tmp_path):
+    ok = ok_record(parse_line('{"custom_id": "a", "prompt": "x"}', 1), _done(_result()))
+    failed = error_record(parse_line('{"custom_id": "f", "prompt": "x"}', 2), "m", "job_failed")
+    dup = error_record(parse_line('{"custom_id": "a", "prompt": "y"}', 5), "m", "duplicate_custom_id")
+    old_format = {"id": "job", "custom_id": "o", "line": 6, "response": {"status_code": 200, "body": {}},
+                  "error": None}
     out = tmp_path / "out.jsonl"
-    out.write_text('{"custom_id": "a", "line": 1, "error": null}\n'
-                   '{"custom_id": "d", "line": 5, "error": {"code": "duplicate_custom_id", "message": "m"}}\n'
-                   '{"custom_id": "b", "li')
-    ids, dup_lines = read_done(str(out))
-    assert ids == {"a"} and dup_lines == {5}
-    assert out.read_text().endswith('"m"}}\n')  # the partial line is gone
+    out.write_text("".join(json.dumps(r) + "\n" for r in (ok, failed, dup, old_format)) + '{"custom_id": "b", "li')
+    state = read_done(str(out))
+    assert state.ok_ids == {"a", "o"} and state.error_ids == {"f"} and state.dup_lines == {5}
+    assert (state.ok, state.failed) == (2, 2) and state.done_ids == {"a", "o", "f"}
+    assert out.read_text().endswith("}\n") and out.read_text().count("\n") == 4  # the partial line is gone
 
 
-def test_progress_line():
-    s = BulkSummary(total=10, ok=3, failed=1, skipped=2, completion_tokens=40)
-    p = Progress(s, enabled=True)
-    p.started -= 4.0
-    line = p.line()
-    assert line.startswith("bulk 6/10 (60%) ok 3 failed 1 skipped 2 | 10.0 tok/s | ETA 0:00:04")
+def test_drop_error_lines_rewrites_atomically(tmp_path, monkeypatch):
+    ok = ok_record(parse_line('{"custom_id": "a", "prompt": "x"}', 1), _done(_result()))
+    failed = error_record(parse_line('{"custom_id": "f", "prompt": "x"}', 2), "m", "job_failed")
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps(ok) + "\n" + json.dumps(failed) + "\n")
+    replaced = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (replaced.append((a, b)), real_replace(a, b)))
+    assert drop_error_lines(str(out)) == ["f"]
+    assert [json.loads(s) for s in out.read_text().splitlines()] == [ok]
+    (src, dst), = replaced
+    assert os.path.dirname(src) == str(tmp_path) and dst == str(out)
+    assert sorted(os.listdir(tmp_path)) == ["out.jsonl"]  # no temporary file left
+    assert drop_error_lines(str(out)) == [] and not replaced[1:]  # nothing to drop: not rewritten
+
+
+def test_progress_is_tqdm():
+    import io
+
+    s = BulkSummary(total=4, ok=1, failed=1, skipped=0, completion_tokens=40)
+    stream = io.StringIO()
+    p = Progress(s, enabled=True, stream=stream)
+    p.skip()
+    s.skipped += 1
+    p.advance()
+    p.advance()
+    p.close()
+    text = stream.getvalue()
+    assert p.bar.total == 3 and p.bar.n == 2
+    assert "bulk:" in text and "2/3" in text and "line/s" in text and "ok=1" in text and "tok/s=" in text
+    quiet = io.StringIO()
+    q = Progress(BulkSummary(total=2), enabled=False, stream=quiet)
+    q.advance()
+    q.close()
+    assert quiet.getvalue() == ""
+
+
+def test_progress_default_is_quiet_when_stderr_is_not_a_terminal(tmp_path, fake_conn, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", ['{"prompt": "broken'])  # an error line: no worker needed
+    summary = run_bulk(Client(connection=fake_conn), str(src), str(tmp_path / "out.jsonl"))
+    assert summary.failed == 1 and capsys.readouterr().err == ""
+    run_bulk(Client(connection=fake_conn), str(src), str(tmp_path / "out2.jsonl"), progress=True)
+    assert "bulk: 100%" in capsys.readouterr().err
 
 
 def test_invalid_defaults_raise():
@@ -168,12 +340,14 @@ def test_invalid_defaults_raise():
 
 class FakeWorker(threading.Thread):
     """Pops jobs from the kiviq queues and ends each with a done event
-    ('echo: <prompt>'), or an error event when the prompt says FAIL."""
+    ('echo: <prompt>'), or an error event when the prompt says FAIL (while
+    ``fail`` is set); sets the rq status as a worker would."""
 
     def __init__(self, conn):
         super().__init__(daemon=True)
         self.conn = conn
         self.ran: list[str] = []
+        self.fail = True
         self.stop = threading.Event()
 
     def run(self):
@@ -188,8 +362,9 @@ class FakeWorker(threading.Thread):
             request = Job.fetch(job_id, connection=self.conn, serializer=JSONSerializer).args[0]
             prompt = request.get("prompt") or request["messages"][-1]["content"]
             seq = pub.next_seq(job_id)
-            if "FAIL" in prompt:
+            if "FAIL" in prompt and self.fail:
                 pub.publish([StreamEvent(job_id=job_id, seq=seq, type=EventType.error, error="boom")])
+                self.conn.hset(Job.key_for(job_id), "status", "failed")
                 continue
             text = f"echo: {prompt}"[: 6 + request.get("max_tokens", 256)]
             result = GenerationResult(job_id=job_id, text=text, token_ids=[1, 2], finish_reason=FinishReason.length,
@@ -197,6 +372,7 @@ class FakeWorker(threading.Thread):
             pub.publish([StreamEvent(job_id=job_id, seq=seq, type=EventType.token, text=text, token_ids=[1, 2]),
                          StreamEvent(job_id=job_id, seq=seq + 1, type=EventType.done,
                                      finish_reason=FinishReason.length, result=result)])
+            self.conn.hset(Job.key_for(job_id), "status", "finished")
 
 
 @pytest.fixture
@@ -237,27 +413,67 @@ def test_bulk_writes_one_line_per_input_line_fake(tmp_path, fake_conn, fake_work
     summary = Client(connection=fake_conn).bulk(str(src), str(out), max_in_flight=2, defaults={"max_tokens": 6},
                                                 progress=False)
     records = read_out(out)
-    by_line = {r["line"]: r for r in records}
+    for r in records:
+        validate_record(r)
+    by_line = {line_of(r): r for r in records}
     assert sorted(by_line) == [1, 2, 3, 4, 5, 6, 8, 9] and len(records) == 8
-    assert by_line[1]["custom_id"] == "c1" and by_line[1]["response"]["body"]["text"] == "echo: one"
-    assert by_line[1]["response"]["status_code"] == 200 and by_line[1]["error"] is None
-    assert by_line[1]["response"]["body"]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-    assert by_line[1]["response"]["body"]["finish_reason"] == "length"
-    assert by_line[2]["response"]["body"]["text"] == "echo: two"
-    assert by_line[3]["custom_id"] == "line-3" and by_line[3]["response"]["body"]["text"] == "echo: three"
+    assert by_line[1]["custom_id"] == "c1" and text_of(by_line[1]) == "echo: one"
+    body = by_line[1]["response"]["body"]
+    assert body["object"] == "text_completion" and body["model"] == "kiviq"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert by_line[2]["response"]["body"]["object"] == "chat.completion"
+    assert text_of(by_line[2]) == "echo: two" and by_line[2]["response"]["body"]["model"] == "m"
+    assert by_line[3]["custom_id"] == "line-3" and text_of(by_line[3]) == "echo: three"
     assert by_line[4]["custom_id"] == "line-4" and by_line[4]["error"]["code"] == "invalid_json"
     assert by_line[5]["custom_id"] == "c5" and "colour" in by_line[5]["error"]["message"]
     assert by_line[6]["error"]["code"] == "job_failed" and "boom" in by_line[6]["error"]["message"]
     assert by_line[8]["error"]["code"] == "duplicate_custom_id" and by_line[8]["custom_id"] == "c1"
-    assert by_line[9]["custom_id"] == "line-9" and by_line[9]["response"]["body"]["text"] == "echo: eight"
+    assert by_line[9]["custom_id"] == "line-9" and text_of(by_line[9]) == "echo: eight"
     assert (summary.total, summary.ok, summary.failed, summary.skipped) == (8, 4, 4, 0)
     assert summary.completion_tokens == 8
     assert len(fake_worker.ran) == 5  # c1, c2, line-3, c6, line-9
+    assert len({r["id"] for r in records}) == 8  # batch_req ids are unique
 
-    # A rerun finds everything done: nothing is written or enqueued again.
+    # A rerun finds everything done: nothing is written or enqueued again, and
+    # the summary still counts the earlier run's lines (failures included).
     again = Client(connection=fake_conn).bulk(str(src), str(out), progress=False)
-    assert (again.ok, again.failed, again.skipped) == (0, 0, 8)
+    assert (again.ok, again.failed, again.skipped, again.retried) == (4, 4, 8, 0)
     assert read_out(out) == records and len(fake_worker.ran) == 5
+
+
+def test_retry_failed_reruns_error_lines_and_keeps_one_line_per_custom_id(tmp_path, fake_conn, fake_worker):
+    lines = [{"custom_id": "a", "prompt": "fine"},
+             {"custom_id": "b", "prompt": "typo", "colour": "red"},
+             {"custom_id": "c", "url": "/v1/chat/completions", "body": {
+                 "model": "m", "messages": [{"role": "user", "content": "please FAIL"}]}}]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    client = Client(connection=fake_conn)
+    first = run_bulk(client, str(src), str(out), progress=False)
+    assert (first.ok, first.failed) == (1, 2) and len(fake_worker.ran) == 2
+    a_line = read_out(out)[[r["custom_id"] for r in read_out(out)].index("a")]
+
+    # The user fixes line b; the worker's trouble with c is gone. A plain rerun
+    # still skips both (error lines count as done) and still reports them.
+    lines[1] = {"custom_id": "b", "prompt": "fixed"}
+    write_jsonl(src, lines)
+    fake_worker.fail = False
+    plain = run_bulk(client, str(src), str(out), progress=False)
+    assert (plain.ok, plain.failed, plain.skipped) == (1, 2, 3) and len(fake_worker.ran) == 2
+
+    retry = run_bulk(client, str(src), str(out), progress=False, retry_failed=True)
+    assert (retry.ok, retry.failed, retry.skipped, retry.retried) == (3, 0, 1, 2)
+    records = read_out(out)
+    for r in records:
+        validate_record(r)
+    assert sorted(r["custom_id"] for r in records) == ["a", "b", "c"]  # replaced, not appended to
+    assert all(r["error"] is None for r in records) and records[0] == a_line
+    by_id = {r["custom_id"]: r for r in records}
+    assert text_of(by_id["b"]) == "echo: fixed" and text_of(by_id["c"]) == "echo: please FAIL"
+    # c's failed job was dropped and run again under the same idempotency key.
+    assert len(fake_worker.ran) == 4 and fake_worker.ran.count(by_id["c"]["response"]["request_id"]) == 2
+    assert run_bulk(client, str(src), str(out), progress=False, retry_failed=True).retried == 0
 
 
 def test_rerun_reattaches_to_jobs_left_by_a_killed_run(tmp_path, fake_server, fake_conn):
@@ -272,8 +488,8 @@ def test_rerun_reattaches_to_jobs_left_by_a_killed_run(tmp_path, fake_server, fa
         key = idempotency_key(str(src), line.custom_id, line.request)
         client.enqueue(line.request.model_copy(update={"idempotency_key": key}))
     out = tmp_path / "out.jsonl"
-    out.write_text(json.dumps({"id": "x", "custom_id": "q0", "line": 1, "response": {}, "error": None}) + "\n"
-                   + '{"id": "y", "custom_id": "q1", "li')
+    out.write_text(json.dumps(ok_record(lines[0], _done(_result()))) + "\n"
+                   + '{"id": "batch_req_y", "custom_id": "q1", "re')
     worker = FakeWorker(fakeredis.FakeRedis(server=fake_server))
     worker.start()
     try:
@@ -283,7 +499,8 @@ def test_rerun_reattaches_to_jobs_left_by_a_killed_run(tmp_path, fake_server, fa
         worker.join(timeout=5)
     assert [r["custom_id"] for r in read_out(out)][0] == "q0"
     assert sorted(r["custom_id"] for r in read_out(out)) == ["q0", "q1", "q2", "q3", "q4"]
-    assert (summary.ok, summary.skipped, summary.reattached) == (4, 1, 3)  # q1..q3 re-attached
+    # ok counts q0's line from the killed run too; q1..q3 re-attached
+    assert (summary.ok, summary.skipped, summary.reattached) == (5, 1, 3)
     assert len(worker.ran) == 5 and len(set(worker.ran)) == 5  # q0..q3 from the killed run, q4: each once
 
 
@@ -342,6 +559,86 @@ def test_vanished_job_is_an_error_line(tmp_path, fake_conn, monkeypatch):
     t.join()
     (record,) = read_out(tmp_path / "out.jsonl")
     assert summary.failed == 1 and "no longer exists" in record["error"]["message"]
+    assert validate_record(record) is None and record["error"]["code"] == "job_failed"
+
+
+# ---- the CLI: summary, exit status, nothing written when it cannot start --
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, dict | None, str]:
+    rc = cli_main(["bulk", *argv])
+    captured = capsys.readouterr()
+    return rc, (json.loads(captured.out) if captured.out.strip() else None), captured.err
+
+
+@pytest.fixture
+def redis_fake_worker(redis_url):
+    """The fake worker on the suite's own redis-server (what the CLI connects to)."""
+    from redis import Redis
+
+    w = FakeWorker(Redis.from_url(redis_url))
+    w.start()
+    yield w
+    w.stop.set()
+    w.join(timeout=5)
+
+
+def test_cli_summary_counts_earlier_runs_and_retry_failed_fixes(redis_url, redis_fake_worker, tmp_path, capsys):
+    lines = [{"custom_id": "a", "prompt": "one"},
+             {"custom_id": "b", "url": "/v1/completions", "body": {"prompt": "two", "temperature": -1}},
+             {"custom_id": "c", "prompt": "FAIL now"},
+             {"custom_id": "d", "messages": [{"role": "user", "content": "four"}]}]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    args = (str(src), str(out), "--redis-url", redis_url, "--no-progress")
+    rc, summary, _ = run_cli(capsys, *args)
+    assert rc == 1 and (summary["total"], summary["ok"], summary["failed"], summary["skipped"]) == (4, 2, 2, 0)
+
+    # The same command again: nothing runs, but the failures are still counted and still exit 1.
+    rc, summary, _ = run_cli(capsys, *args)
+    assert rc == 1 and (summary["ok"], summary["failed"], summary["skipped"]) == (2, 2, 4)
+    assert len(read_out(out)) == 4 and len(redis_fake_worker.ran) == 3
+
+    lines[1]["body"]["temperature"] = 0.5  # the user fixes b; c's trouble is gone
+    write_jsonl(src, lines)
+    redis_fake_worker.fail = False
+    rc, summary, _ = run_cli(capsys, *args, "--retry-failed")
+    assert rc == 0, summary
+    assert (summary["ok"], summary["failed"], summary["skipped"], summary["retried"]) == (4, 0, 2, 2)
+    records = read_out(out)
+    assert sorted(r["custom_id"] for r in records) == ["a", "b", "c", "d"]
+    assert all(validate_record(r) is not None for r in records)
+    rc, summary, _ = run_cli(capsys, *args)
+    assert rc == 0 and (summary["ok"], summary["failed"], summary["skipped"]) == (4, 0, 4)
+
+
+def test_cli_writes_nothing_when_redis_is_unreachable(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    out = tmp_path / "out.jsonl"
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    rc, summary, err = run_cli(capsys, str(src), str(out), "--redis-url", url)
+    assert rc == 1 and summary is None and not out.exists()
+    assert err.startswith("kiviq: error: ") and err.count("\n") == 1 and "Redis" in err and "Traceback" not in err
+
+    # An existing OUT (an error line to retry, a torn last line) is left byte for byte.
+    failed = error_record(parse_line('{"prompt": "x"}', 1), "m", "job_failed")
+    out.write_text(json.dumps(failed) + "\n" + '{"custom_id": "torn", "re')
+    before, mtime = out.read_bytes(), out.stat().st_mtime_ns
+    rc, _, _ = run_cli(capsys, str(src), str(out), "--redis-url", url, "--retry-failed")
+    assert rc == 1 and out.read_bytes() == before and out.stat().st_mtime_ns == mtime
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "out.jsonl"]
+
+    # A missing input is a usage error, before Redis is even tried; OUT is not created.
+    rc, _, err = run_cli(capsys, str(tmp_path / "missing.jsonl"), str(tmp_path / "new.jsonl"), "--redis-url", url)
+    assert rc == 2 and "missing.jsonl" in err and not (tmp_path / "new.jsonl").exists()
 
 
 # ---- end to end: real Redis, real worker --------------------------------
@@ -361,6 +658,10 @@ def test_bulk_end_to_end(worker_process, redis_url, tmp_path):
         '{"prompt": "broken',
         {"custom_id": "c5", "prompt": "x", "temperature": -1},
         {"messages": [{"role": "user", "content": "Name a color."}]},
+        {"custom_id": "lp-chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Say hi."}], "logprobs": True, "top_logprobs": 2}},
+        {"custom_id": "lp-cmpl", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "smol", "prompt": "The sky is", "logprobs": 3}},
     ]
     src = write_jsonl(tmp_path / "in.jsonl", mixed)
     out = tmp_path / "out.jsonl"
@@ -371,20 +672,33 @@ def test_bulk_end_to_end(worker_process, redis_url, tmp_path):
     stderr = proc.stderr.decode()
     assert proc.returncode == 1, stderr  # some lines failed (their errors are in OUT)
     summary = json.loads(proc.stdout)
-    assert (summary["ok"], summary["failed"], summary["skipped"]) == (4, 2, 0)
-    assert "\rbulk 6/6 (100%) ok 4 failed 2" in stderr and "tok/s" in stderr and stderr.endswith("\n")
+    assert (summary["ok"], summary["failed"], summary["skipped"]) == (6, 2, 0)
+    # tqdm's bar (forced on: stderr is a pipe here), redrawn with \r, ending on a newline.
+    assert "\rbulk: 100%" in stderr and "8/8" in stderr and "ok=6, failed=2" in stderr and "tok/s=" in stderr
+    assert stderr.endswith("\n")
     records = read_out(out)
     ids = [r["custom_id"] for r in records]
-    assert sorted(ids) == sorted(["c1", "c2", "line-3", "line-4", "c5", "line-6"])
+    assert sorted(ids) == sorted(["c1", "c2", "line-3", "line-4", "c5", "line-6", "lp-chat", "lp-cmpl"])
     by_id = {r["custom_id"]: r for r in records}
-    assert by_id["line-4"]["error"]["code"] == "invalid_json"
+    assert by_id["line-4"]["error"]["code"] == "invalid_json" and by_id["line-4"]["error"]["line"] == 4
     assert "temperature" in by_id["c5"]["error"]["message"]
-    for cid in ("c1", "c2", "line-3", "line-6"):
-        body = by_id[cid]["response"]["body"]
-        assert body["usage"]["completion_tokens"] <= 4 and body["finish_reason"] in ("stop", "length")
+    bodies = {r["custom_id"]: validate_record(r) for r in records}  # every line, every body: OpenAI's types
+    for cid in ("c1", "c2", "line-3", "line-6", "lp-chat", "lp-cmpl"):
+        body = bodies[cid]
+        assert body.usage.completion_tokens <= 4 and body.choices[0].finish_reason in ("stop", "length")
+    assert bodies["c2"].model == "gpt-x" and bodies["lp-cmpl"].model == "smol" and bodies["c1"].model == "kiviq"
+    assert [b.object for b in (bodies["c1"], bodies["c2"])] == ["text_completion", "chat.completion"]
+    chat_lp = bodies["lp-chat"].choices[0].logprobs.content
+    assert len(chat_lp) == bodies["lp-chat"].usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.bytes == list(t.token.encode()) for t in chat_lp)
+    assert "".join(t.token for t in chat_lp) == bodies["lp-chat"].choices[0].message.content
+    cmpl_lp = bodies["lp-cmpl"].choices[0].logprobs
+    assert len(cmpl_lp.tokens) == len(cmpl_lp.token_logprobs) == len(cmpl_lp.text_offset) \
+        == bodies["lp-cmpl"].usage.completion_tokens
+    assert all(1 <= len(alts) <= 3 for alts in cmpl_lp.top_logprobs) and cmpl_lp.text_offset[0] == 0
     # Greedy: the bulk result equals the same request submitted directly.
     direct = Client(redis_url).submit(prompt="The capital of France is", max_tokens=4).result(timeout=300)
-    assert by_id["c1"]["response"]["body"]["text"] == direct.text
+    assert bodies["c1"].choices[0].text == direct.text
     print(f"bulk e2e: {time.monotonic() - t0:.1f} s")
 
 
@@ -410,7 +724,8 @@ def test_bulk_killed_and_rerun_runs_each_job_once(worker_process, redis_url, red
                            timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     summary = json.loads(rerun.stdout)
-    assert summary["skipped"] == done_before and summary["ok"] == n - done_before
+    # ok counts every line of OUT: the killed run's and this run's.
+    assert summary["skipped"] == done_before and summary["ok"] == n and summary["failed"] == 0
     # Jobs the killed run enqueued but had not written were awaited, not resubmitted.
     assert summary["reattached"] == enqueued_before - done_before
     records = read_out(out)
@@ -419,7 +734,9 @@ def test_bulk_killed_and_rerun_runs_each_job_once(worker_process, redis_url, red
 
     # Every job ran exactly once: n jobs finished, each with one rq result and
     # one stream (no restart), all under the idempotency-derived ids.
-    job_ids = {r["id"] for r in records}
+    for r in records:
+        validate_record(r)
+    job_ids = {r["response"]["request_id"] for r in records}
     assert len(job_ids) == n and all(j.startswith(job_id_for_idempotency_key("bulk-")) for j in job_ids)
     finished = FinishedJobRegistry(queue_name("default"), connection=redis_conn, serializer=JSONSerializer)
     assert set(finished.get_job_ids()) == job_ids
