@@ -38,7 +38,7 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
 
     connection = Redis.from_url(redis_url_from_env(redis_url))
     connection.ping()  # fail fast with a clear error before the slow model load
-    metrics = WorkerMetrics()
+    metrics = WorkerMetrics(model_name=model or "SmolLM2-135M-Instruct")
     if metrics_port is not None:  # bind before the slow model load: a taken port fails fast
         serve_metrics(metrics, metrics_port, host=metrics_host)
     log.info("loading model %s", model or "(default SmolLM2-135M-Instruct)")
