@@ -332,3 +332,47 @@ def test_worker_metrics_end_to_end(redis_url, redis_conn, start_worker):
     assert data["jobs"]["total"]["finished"] == 2 and data["jobs"]["total"]["failed"] == 1
     assert data["jobs"]["per_min"]["finished"] == 2
     assert len(data["workers"]) == 1 and data["workers"][0]["stats"] is not None
+
+
+# ---- the Grafana dashboard ------------------------------------------------------------
+
+def test_grafana_dashboard_uses_only_exported_metrics():
+    import re
+    from pathlib import Path
+
+    dash = json.loads((Path(__file__).resolve().parents[1] / "docs" / "grafana" / "kiviq.json").read_text())
+    m = WorkerMetrics(MODEL)
+    exported = {s.name for f in parse(m.render()).values() for s in f.samples}
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    exprs += [v["query"]["query"] for v in dash["templating"]["list"] if isinstance(v.get("query"), dict)]
+    assert len(exprs) > 20
+    used = set()
+    for expr in exprs:
+        names = set(re.findall(r"\b((?:kiviq:|process_)[a-zA-Z0-9_:]+)", expr))
+        assert names, f"no metric in {expr!r}"
+        unknown = names - exported
+        assert not unknown, f"{expr!r} uses {unknown}, which the worker does not export"
+        used |= names
+    for needed in ("kiviq:generation_tokens_total", "kiviq:num_requests_queued", "kiviq:num_requests_waiting",
+                   "kiviq:time_to_first_token_seconds_bucket", "kiviq:inter_token_latency_seconds_bucket",
+                   "kiviq:kv_cache_usage_perc", "kiviq:num_preemptions_total"):
+        assert needed in used, needed  # throughput, queue depth, TTFT/ITL, KV usage
+    for panel in dash["panels"]:
+        if panel["type"] != "row":
+            assert panel["targets"] and panel["datasource"]["uid"] == "${datasource}"
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+
+
+def test_queue_lengths_published_as_gauge():
+    from kiviq.client import Client
+
+    r = fakeredis.FakeRedis()
+    client = Client(connection=r)
+    for priority in ("low", "low", "high"):
+        client.submit(prompt="x", max_tokens=1, priority=priority)
+    m = WorkerMetrics(MODEL)
+    StatsPublisher(r, "w", m).publish()
+    fam = parse(m.render())
+    assert value_of(fam, "kiviq:num_requests_queued", queue="kiviq-low") == 2
+    assert value_of(fam, "kiviq:num_requests_queued", queue="kiviq-high") == 1
+    assert value_of(fam, "kiviq:num_requests_queued", queue="kiviq-default") == 0

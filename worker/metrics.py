@@ -159,6 +159,11 @@ class WorkerMetrics:
         self.running = gauge("num_requests_running", "Sequences running in the engine (prefilling or decoding).")
         self.waiting = gauge("num_requests_waiting", "Sequences admitted to the engine, waiting to be scheduled.")
         self.active = gauge("num_requests_active", "Jobs taken from Redis by this worker and not yet ended.")
+        self.queued = Gauge(PREFIX + "num_requests_queued", "Jobs waiting in each Redis queue (read by this worker "
+                            "about every second; every worker reports the same queues: use max by queue).",
+                            m + ("queue",), registry=reg)
+        for q in queue_names():
+            self.queued.labels(model_name, q).set(0)
         self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage as a fraction of its budget (0..1).")
         self.kv_used = gauge("kv_cache_used_bytes", "KV-cache bytes in use.")
         self.kv_budget = gauge("kv_cache_budget_bytes", "KV-cache budget in bytes.")
@@ -192,6 +197,8 @@ class WorkerMetrics:
                              REQUEST_LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Time a request waited in its Redis queue.",
                                     REQUEST_LATENCY_BUCKETS, ("queue",))
+        for q in queue_names():
+            self.queue_time.labels(model_name, q)
         self.step_time = histogram("step_duration_seconds", "Duration of one engine step.", STEP_BUCKETS)
         self.prompt_len = histogram("request_prompt_tokens", "Prompt tokens per ended request.", TOKEN_COUNT_BUCKETS)
         self.gen_len = histogram("request_generation_tokens", "Generated tokens per ended request.",
@@ -265,6 +272,11 @@ class WorkerMetrics:
         freed memory shows at once, not at the next step."""
         with self._lock:
             self._set_kv(used_bytes, budget_bytes)
+
+    def queue_lengths(self, lengths: dict[str, int]) -> None:
+        """Jobs waiting in each Redis queue, by queue name."""
+        for queue, n in lengths.items():
+            self.queued.labels(self.model_name, queue).set(n)
 
     def _set_running(self, running: int, waiting: int) -> None:
         self._n["running"], self._n["waiting"] = running, waiting
@@ -507,8 +519,20 @@ class StatsPublisher:
         self._last_ended = sum(snap["jobs"][o] for o in OUTCOMES)
         try:
             self.redis.set(self.key, json.dumps(snap), px=max(1, int(self.ttl_s * 1000)))
+            self.metrics.queue_lengths(self._queue_lengths())
         except Exception as e:  # noqa: BLE001 - never let stats stop the worker
             log.warning("could not publish worker stats: %s", e)
+
+    def _queue_lengths(self) -> dict[str, int]:
+        from rq import Queue
+
+        from kiviq.jobs.keys import queue_names
+
+        names = queue_names()
+        with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.llen(Queue.redis_queue_namespace_prefix + name)
+            return dict(zip(names, (int(n) for n in pipe.execute())))
 
     def start(self, poll_s: float = 0.1) -> "StatsPublisher":
         """Call ``maybe_publish`` every ``poll_s`` from a daemon thread (so
