@@ -10,7 +10,7 @@ Where the numbers come from:
   counts below.
 * workers: ``rq.Worker.all`` (name, state) joined with the JSON snapshot each
   worker writes every second to ``jobs.keys.worker_stats_key(name)`` (TTL'd;
-  see ``worker.metrics.StatsPublisher``): sequences running/waiting in its
+  see ``worker.stats.StatsPublisher``): sequences running/waiting in its
   engine, KV bytes used/budget, decode/prefill tokens/s and mean step time
   over the worker's last 10 s. A snapshot without an rq registration (a worker
   that just died) is shown with state ``-`` until it expires.

@@ -12,7 +12,8 @@ import pytest
 import kiviq.client.top as top
 from kiviq.client import Client
 from kiviq.client.cli import main
-from kiviq.worker.metrics import StatsPublisher, WorkerMetrics
+from kiviq.worker.metrics import WorkerMetrics
+from kiviq.worker.stats import StatsPublisher
 
 
 def fake_worker(conn, name: str, finished: int, failed: int = 0) -> WorkerMetrics:

@@ -7,7 +7,8 @@ import logging
 from redis import Redis
 
 from kiviq.jobs.settings import redis_url_from_env
-from kiviq.worker.metrics import StatsPublisher, WorkerMetrics, serve_metrics
+from kiviq.worker.metrics import WorkerMetrics, serve_metrics
+from kiviq.worker.stats import StatsPublisher
 from kiviq.worker.service import BatchWorker
 
 log = logging.getLogger("kiviq.worker")
