@@ -213,6 +213,9 @@ def test_serve_metrics_http():
             fam = parse(r.read().decode())
         assert value_of(fam, "kiviq:request_success_total", finished_reason="stop", model_name=MODEL) == 1
         assert value_of(fam, "kiviq:generation_tokens_total") == 4
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/snapshot", timeout=5) as r:
+            assert r.headers["Content-Type"] == "application/json"
+            assert json.loads(r.read())["jobs"]["finished"] == 1
         req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
                                      headers={"Accept": "application/openmetrics-text"})
         with urllib.request.urlopen(req, timeout=5) as r:  # the library negotiates OpenMetrics too
