@@ -5,14 +5,16 @@ Where the numbers come from:
 * queues: ``rq.Queue.count`` (jobs waiting) and the sizes of rq's started,
   finished and failed registries of each queue (``jobs.keys.queue_names()``).
   Registry sizes are what rq still holds: finished and failed entries expire
-  with the jobs' result/failure TTL, so they are not lifetime totals.
+  with the jobs' result/failure TTL, so they are not lifetime totals; the
+  frame labels them "IN RQ REGISTRIES" so they are not read as the workers'
+  counts below.
 * workers: ``rq.Worker.all`` (name, state) joined with the JSON snapshot each
   worker writes every second to ``jobs.keys.worker_stats_key(name)`` (TTL'd;
-  see ``worker.metrics.StatsPublisher``): sequences running/waiting in its
+  see ``worker.stats.StatsPublisher``): sequences running/waiting in its
   engine, KV bytes used/budget, decode/prefill tokens/s and mean step time
   over the worker's last 10 s. A snapshot without an rq registration (a worker
   that just died) is shown with state ``-`` until it expires.
-* jobs: counted by the workers themselves (``WorkerMetrics.job_finished``).
+* jobs ("ENDED BY WORKERS"): counted by the workers themselves (``WorkerMetrics.job_finished``).
   "last 60s" is the number of jobs each worker ended in the 60 s before its
   latest snapshot, summed over workers: that is the jobs/min rate. "total" is
   the sum of the workers' cumulative counters since each started (a restarted
@@ -141,16 +143,18 @@ def render_frame(data: dict, url: str = "") -> str:
     stamp = time.strftime("%H:%M:%S", time.localtime(data["time"]))
     lines = [f"kiviq top   {_redact(url)}   {stamp}".rstrip(), ""]
 
+    lines.append(" " * 24 + f"{' IN RQ REGISTRIES ':-^27}")
     lines.append(f"{'QUEUE':<16}{'QUEUED':>8}{'STARTED':>9}{'FINISHED':>10}{'FAILED':>8}")
     for q in data["queues"]:
         lines.append(f"{q['name']:<16}{q['queued']:>8}{q['started']:>9}{q['finished']:>10}{q['failed']:>8}")
-    lines.append("(started/finished/failed: rq registries; finished/failed expire with the result TTL)")
+    lines.append("(rq registries keep finished/failed jobs only for their result/failure TTL: not totals)")
     lines.append("")
 
     jobs = data["jobs"]
-    lines.append(f"{'JOBS':<12}{'JOBS/MIN (last 60s)':>20}{'TOTAL':>10}")
+    lines.append(f"{'ENDED BY WORKERS':<18}{'PER MIN (last 60s)':>20}{'SINCE WORKER START':>20}")
     for o in OUTCOMES:
-        lines.append(f"{o:<12}{jobs['per_min'][o]:>20.0f}{jobs['total'][o]:>10}")
+        lines.append(f"{o:<18}{jobs['per_min'][o]:>20.0f}{jobs['total'][o]:>20}")
+    lines.append("(counted by the live workers themselves, each since it started)")
     lines.append("")
 
     t = data["totals"]

@@ -1,22 +1,25 @@
-"""WorkerMetrics, the Prometheus exposition, the /metrics endpoint and the
-per-worker stats publisher."""
+"""WorkerMetrics, its prometheus_client registry and exposition, the
+/metrics endpoint and the per-worker stats publisher. Output is read with
+prometheus_client's own parser."""
 
 from __future__ import annotations
 
 import json
 import math
-import re
 import socket
 import time
-import urllib.error
 import urllib.request
 from types import SimpleNamespace
 
 import fakeredis
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kiviq.jobs.keys import worker_stats_key
-from kiviq.worker.metrics import Histogram, StatsPublisher, WorkerMetrics, format_value, serve_metrics
+from kiviq.worker.metrics import WorkerMetrics, quantile, serve_metrics
+from kiviq.worker.stats import StatsPublisher
+
+MODEL = "test-model"
 
 
 class FakeClock:
@@ -27,95 +30,48 @@ class FakeClock:
         return self.t
 
 
-# ---- a tiny exposition-format parser -------------------------------------------
-
-NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
-SAMPLE = re.compile(rf"^({NAME})(\{{{LABEL}(?:,{LABEL})*\}})? (\S+)$")
-VALUE = re.compile(r"^(?:[+-]?Inf|NaN|[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)$")
-
-
-def parse_exposition(text: str) -> dict[str, dict]:
-    """Check the text format and return {family: {"type": t, "samples": [(name, labels, value)]}}.
-
-    Every sample line is ``name{labels} value``; every sample belongs to a
-    family declared by a ``# TYPE`` line before it; histogram buckets are
-    cumulative and end in +Inf == _count.
-    """
-    assert text.endswith("\n")
-    families: dict[str, dict] = {}
-    for line in text.splitlines():
-        assert line.strip(), "no blank lines"
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ", 3)
-            assert re.fullmatch(NAME, name) and kind in ("counter", "gauge", "histogram", "summary", "untyped")
-            assert name not in families, f"{name} declared twice"
-            families[name] = {"type": kind, "samples": []}
-            continue
-        if line.startswith("# HELP ") or line.startswith("#"):
-            continue
-        m = SAMPLE.match(line)
-        assert m, f"bad sample line: {line!r}"
-        name, raw_labels, value = m.groups()
-        assert VALUE.match(value), f"bad value in {line!r}"
-        labels = dict(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', raw_labels or ""))
-        family = name
-        if name not in families:
-            for suffix in ("_bucket", "_sum", "_count"):
-                if name.endswith(suffix) and families.get(name[: -len(suffix)], {}).get("type") == "histogram":
-                    family = name[: -len(suffix)]
-        assert family in families, f"sample {name} has no # TYPE before it"
-        families[family]["samples"].append((name, labels, float(value)))
-    for fam, info in families.items():
-        if info["type"] != "histogram":
+def parse(text: str) -> dict:
+    """{family name: family} by prometheus_client's parser; histograms
+    checked well formed (cumulative buckets ending in +Inf == _count)."""
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for fam in families.values():
+        if fam.type != "histogram":
             continue
         groups: dict[tuple, list] = {}
         counts = {}
-        for name, labels, v in info["samples"]:
-            key = tuple(sorted((k, x) for k, x in labels.items() if k != "le"))
-            if name.endswith("_bucket"):
-                groups.setdefault(key, []).append((float(labels["le"]), v))
-            elif name.endswith("_count"):
-                counts[key] = v
+        for s in fam.samples:
+            key = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
+            if s.name.endswith("_bucket"):
+                groups.setdefault(key, []).append((float(s.labels["le"]), s.value))
+            elif s.name.endswith("_count"):
+                counts[key] = s.value
         for key, buckets in groups.items():
-            bounds = [b for b, _ in buckets]
-            assert bounds == sorted(bounds) and math.isinf(bounds[-1]), fam
-            vals = [v for _, v in buckets]
-            assert vals == sorted(vals), f"{fam} buckets not cumulative"
-            assert vals[-1] == counts[key], f"{fam}: +Inf bucket != _count"
+            assert [b for b, _ in buckets] == sorted(b for b, _ in buckets) and math.isinf(buckets[-1][0])
+            assert [v for _, v in buckets] == sorted(v for _, v in buckets), f"{fam.name} not cumulative"
+            assert buckets[-1][1] == counts[key], f"{fam.name}: +Inf bucket != _count"
     return families
 
 
-def value_of(families: dict, name: str, **labels) -> float:
-    """Sum of the samples called ``name`` matching ``labels``."""
-    family = name if name in families else re.sub(r"_(bucket|sum|count)$", "", name)
-    return sum(v for n, lab, v in families[family]["samples"]
-               if n == name and all(lab.get(k) == x for k, x in labels.items()))
+def value_of(families: dict, sample: str, **labels) -> float:
+    """Sum of the samples called ``sample`` whose labels include ``labels``."""
+    found = [s.value for f in families.values() for s in f.samples
+             if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert found, f"no sample {sample} {labels}"
+    return sum(found)
 
 
 # ---- unit tests -------------------------------------------------------------------
 
-def test_histogram_bucket_math():
-    h = Histogram([5, 1, 2])  # sorted on construction
-    for v in (0.5, 1.0, 1.5, 10.0):  # 1.0 lands in le=1 (bounds are inclusive)
-        h.observe(v)
-    h.observe(2.0, n=2)
-    assert h.bounds == (1.0, 2.0, 5.0)
-    assert h.cumulative() == [(1.0, 2), (2.0, 5), (5.0, 5), (math.inf, 6)]
-    assert h.count == 6 and h.sum == pytest.approx(17.0)
-    assert h.quantile(0.5) == pytest.approx(1.0 + (3 - 2) / 3)  # rank 3 inside (1, 2]
-    assert h.quantile(1.0) == 5.0  # +Inf bucket: the largest finite bound
-    assert Histogram([1]).quantile(0.5) is None
-
-
-def test_format_value():
-    assert format_value(3) == "3" and format_value(2.0) == "2" and format_value(0.25) == "0.25"
-    assert format_value(math.inf) == "+Inf" and format_value(float("nan")) == "NaN"
+def test_quantile_from_buckets():
+    buckets = [(1.0, 2), (2.0, 5), (5.0, 5), (math.inf, 6)]
+    assert quantile(buckets, 0.5) == pytest.approx(1.0 + (3 - 2) / 3)  # rank 3 inside (1, 2]
+    assert quantile(buckets, 1.0) == 5.0  # +Inf bucket: the largest finite bound
+    assert quantile([(1.0, 0), (math.inf, 0)], 0.5) is None
 
 
 def test_counters_gauges_and_no_double_counting():
     clock = FakeClock()
-    m = WorkerMetrics(clock=clock)
+    m = WorkerMetrics(MODEL, clock=clock)
     m.job_admitted("a", 0.3, "kiviq-default")
     m.job_admitted("b", 2.0, "kiviq-high")
     m.first_token("a", 0.05)
@@ -127,7 +83,7 @@ def test_counters_gauges_and_no_double_counting():
     m.job_finished("a", "finished", 0.5, prompt_tokens=12, completion_tokens=4, finish_reason="length")  # ... 4 in all
     m.job_finished("b", "failed", 0.1, prompt_tokens=7, completion_tokens=0)
 
-    fam = parse_exposition(m.render())
+    fam = parse(m.render())
     assert value_of(fam, "kiviq:generation_tokens_total") == 4
     assert value_of(fam, "kiviq:prompt_tokens_total") == 19
     assert value_of(fam, "kiviq:prefill_tokens_total") == 12
@@ -135,45 +91,68 @@ def test_counters_gauges_and_no_double_counting():
     assert value_of(fam, "kiviq:request_success_total", finished_reason="length") == 1
     assert value_of(fam, "kiviq:request_ended_total", outcome="failed") == 1
     assert value_of(fam, "kiviq:request_admitted_total", queue="kiviq-high") == 1
+    assert value_of(fam, "kiviq:request_admitted_total", queue="kiviq-low") == 0  # every queue from the start
     assert value_of(fam, "kiviq:request_queue_time_seconds_count", queue="kiviq-default") == 1
     assert value_of(fam, "kiviq:time_to_first_token_seconds_count") == 1
     assert value_of(fam, "kiviq:e2e_request_latency_seconds_sum") == pytest.approx(0.6)
+    assert value_of(fam, "kiviq:num_preemptions_total") == 0
     # no job left: running/waiting/KV settle to 0 although no step ran since
     assert value_of(fam, "kiviq:num_requests_running") == 0
     assert value_of(fam, "kiviq:kv_cache_usage_perc") == 0
-    assert fam["kiviq:request_success_total"]["type"] == "counter"
-    assert fam["kiviq:num_requests_waiting"]["type"] == "gauge"
-    assert fam["kiviq:step_duration_seconds"]["type"] == "histogram"
+    assert fam["kiviq:request_success"].type == "counter"
+    assert fam["kiviq:num_requests_waiting"].type == "gauge"
+    assert fam["kiviq:step_duration_seconds"].type == "histogram"
 
     snap = m.snapshot()
     json.dumps(snap)  # JSON-able
     assert snap["jobs"] == {"admitted": 2, "requeued": 0, "finished": 1, "failed": 1, "cancelled": 0, "timeout": 0}
-    assert snap["jobs_recent"]["finished"] == 1
+    assert snap["jobs_recent"]["finished"] == 1 and snap["model"] == MODEL
     with pytest.raises(ValueError):
         m.job_finished("c", "exploded", 1.0, 1, 1)
 
 
-def test_inter_token_latency_and_kv_gauges():
-    m = WorkerMetrics(clock=FakeClock())
+def test_model_name_label_process_metrics_and_one_registry_each():
+    a, b = WorkerMetrics("model-a"), WorkerMetrics("model-b")  # two registries: no duplicate-series error
+    a.job_admitted("x", 0.0, "kiviq-default")
+    fam_a, fam_b = parse(a.render()), parse(b.render())
+    kiviq = [s for f in fam_a.values() if f.name.startswith("kiviq:") for s in f.samples]
+    assert len(kiviq) > 100 and all(s.labels.get("model_name") == "model-a" for s in kiviq)
+    assert value_of(fam_a, "kiviq:request_admitted_total") == 1
+    assert value_of(fam_b, "kiviq:request_admitted_total") == 0
+    assert value_of(fam_a, "process_resident_memory_bytes") > 0
+    assert value_of(fam_a, "process_cpu_seconds_total") >= 0
+    assert "python_info" in fam_a
+    for name in ("time_per_output_token_seconds", "inter_token_latency_seconds", "num_preemptions",
+                 "kv_cache_usage_perc", "request_admitted", "request_ended", "decode_tokens_per_second"):
+        assert "kiviq:" + name in fam_a, name
+    assert not any(n.endswith("_created") for n in fam_a)  # no *_created series
+
+
+def test_inter_token_latency_time_per_output_token_and_kv_gauges():
+    m = WorkerMetrics(MODEL, clock=FakeClock())
+    m.job_admitted("a", 0.0, "kiviq-default")
     m.tokens("a", 1, now=8.0)  # first token: no ITL
     m.tokens("a", 1, now=8.0625)
     m.tokens("a", 3, now=8.25)  # 3 tokens in 0.1875 s: three observations of 0.0625
-    h = m.itl.merged()
-    assert h.count == 4 and h.sum == pytest.approx(0.25)
-    cum = dict(h.cumulative())
-    assert (cum[0.05], cum[0.075]) == (0, 4)
-    m.job_admitted("b", 0.0, "q")
+    m.job_finished("a", "finished", 1.0, 5, 5, finish_reason="stop")  # TPOT: 0.25 s over 4 tokens
+    m.job_admitted("b", 0.0, "kiviq-default")
     m.step(0.01, decode_tokens=1, prefill_tokens=0, running=1, waiting=3, kv_used_bytes=512, kv_budget_bytes=2048)
-    fam = parse_exposition(m.render())
+    fam = parse(m.render())
+    assert value_of(fam, "kiviq:inter_token_latency_seconds_count") == 4
+    assert value_of(fam, "kiviq:inter_token_latency_seconds_sum") == pytest.approx(0.25)
+    assert value_of(fam, "kiviq:inter_token_latency_seconds_bucket", le="0.05") == 0
+    assert value_of(fam, "kiviq:inter_token_latency_seconds_bucket", le="0.075") == 4
+    assert value_of(fam, "kiviq:time_per_output_token_seconds_count") == 1
+    assert value_of(fam, "kiviq:time_per_output_token_seconds_sum") == pytest.approx(0.0625)
     assert value_of(fam, "kiviq:kv_cache_usage_perc") == 0.25
     assert value_of(fam, "kiviq:kv_cache_used_bytes") == 512
     assert value_of(fam, "kiviq:num_requests_waiting") == 3
-    assert value_of(fam, "kiviq:inter_token_latency_seconds_count") == 4
+    assert m.snapshot()["itl_avg_s"] == pytest.approx(0.0625)
 
 
 def test_rolling_token_rates():
     clock = FakeClock(100.0)
-    m = WorkerMetrics(clock=clock, rate_window_s=10.0)
+    m = WorkerMetrics(MODEL, clock=clock, rate_window_s=10.0)
     for _ in range(10):  # 10 steps of 0.1 s back to back: 1 s of work
         clock.t += 0.1
         m.step(0.1, decode_tokens=8, prefill_tokens=20, running=8, waiting=0, kv_used_bytes=0, kv_budget_bytes=0)
@@ -181,55 +160,67 @@ def test_rolling_token_rates():
     assert s["decode_tokens_per_s"] == pytest.approx(80.0)
     assert s["prefill_tokens_per_s"] == pytest.approx(200.0)
     assert s["step_time_s"] == pytest.approx(0.1)
+    assert value_of(parse(m.render()), "kiviq:decode_tokens_per_second") == pytest.approx(80.0)
     clock.t += 1.0  # idle for a second: the window now spans 2 s
     assert m.snapshot()["decode_tokens_per_s"] == pytest.approx(40.0)
     clock.t += 20.0  # idle past the window
-    fam = parse_exposition(m.render())
-    assert value_of(fam, "kiviq:decode_tokens_per_second") == 0
+    assert value_of(parse(m.render()), "kiviq:decode_tokens_per_second") == 0
 
 
 def test_observe_engine_step_reads_the_engine():
     store = SimpleNamespace(used_bytes=lambda: 300, budget_bytes=lambda: 10 * 50 + 4 * 125)
     sched = SimpleNamespace(running=[1, 2], prefilling=[3], waiting=[4, 5, 6, 7])
-    engine = SimpleNamespace(stats={"decode_tokens": 5, "prefill_tokens": 40}, kv_store=store, scheduler=sched)
-    m = WorkerMetrics(clock=FakeClock())
+    engine = SimpleNamespace(stats={"decode_tokens": 5, "prefill_tokens": 40, "preemptions": 1}, kv_store=store,
+                             scheduler=sched)
+    m = WorkerMetrics(MODEL, clock=FakeClock())
     m.observe_engine_step(engine, 0.02)
-    engine.stats = {"decode_tokens": 8, "prefill_tokens": 40}
+    engine.stats = {"decode_tokens": 8, "prefill_tokens": 40, "preemptions": 3}
     m.observe_engine_step(engine, 0.02)
-    assert m.decode_tokens.get() == 8 and m.prefill_tokens.get() == 40
-    assert (m.running.get(), m.waiting.get()) == (3, 4)
-    assert (m.kv_used.get(), m.kv_budget.get(), m.kv_usage.get()) == (300, 1000, 0.3)
+    fam = parse(m.render())
+    assert value_of(fam, "kiviq:decode_tokens_total") == 8 and value_of(fam, "kiviq:prefill_tokens_total") == 40
+    assert value_of(fam, "kiviq:num_preemptions_total") == 3
+    assert (value_of(fam, "kiviq:num_requests_running"), value_of(fam, "kiviq:num_requests_waiting")) == (3, 4)
+    assert value_of(fam, "kiviq:kv_cache_used_bytes") == 300 and value_of(fam, "kiviq:kv_cache_budget_bytes") == 1000
+    assert value_of(fam, "kiviq:kv_cache_usage_perc") == pytest.approx(0.3)
+    assert value_of(fam, "kiviq:step_duration_seconds_count") == 2
     # an engine without stats/scheduler/store (the serial engine)
-    m2 = WorkerMetrics(clock=FakeClock())
+    m2 = WorkerMetrics(MODEL, clock=FakeClock())
     m2.tokens("x", 2)
     m2.observe_engine_step(SimpleNamespace(num_active=3, capacity=1, kv_store=None), 0.01)
-    assert (m2.running.get(), m2.waiting.get(), m2.decode_tokens.get()) == (1, 2, 2)
+    fam2 = parse(m2.render())
+    assert (value_of(fam2, "kiviq:num_requests_running"), value_of(fam2, "kiviq:num_requests_waiting"),
+            value_of(fam2, "kiviq:decode_tokens_total")) == (1, 2, 2)
 
 
 def test_label_values_are_escaped():
-    m = WorkerMetrics()
-    m.job_admitted("a", 0.1, 'we"ird\\queue\nname')
-    parse_exposition(m.render())
+    m = WorkerMetrics('we"ird\\model')
+    queue = 'we"ird\\queue\nname'
+    m.job_admitted("a", 0.1, queue)
+    fam = parse(m.render())
+    assert value_of(fam, "kiviq:request_admitted_total", queue=queue, model_name='we"ird\\model') == 1
 
 
 def test_serve_metrics_http():
-    m = WorkerMetrics()
+    m = WorkerMetrics(MODEL)
     m.job_admitted("a", 0.1, "kiviq-default")
     m.job_finished("a", "finished", 0.2, 3, 4, finish_reason="stop")
-    server = serve_metrics(m, 0)
+    server = serve_metrics(m, 0)  # 0: a free port, read back from the server
     try:
         port = server.server_address[1]
         assert port > 0
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-            fam = parse_exposition(r.read().decode())
-        assert value_of(fam, "kiviq:request_success_total", finished_reason="stop") == 1
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain; version=")
+            fam = parse(r.read().decode())
+        assert value_of(fam, "kiviq:request_success_total", finished_reason="stop", model_name=MODEL) == 1
         assert value_of(fam, "kiviq:generation_tokens_total") == 4
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/snapshot", timeout=5) as r:
+            assert r.headers["Content-Type"] == "application/json"
             assert json.loads(r.read())["jobs"]["finished"] == 1
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/nope", timeout=5)
-        assert e.value.code == 404
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                     headers={"Accept": "application/openmetrics-text"})
+        with urllib.request.urlopen(req, timeout=5) as r:  # the library negotiates OpenMetrics too
+            assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+            assert r.read().decode().rstrip().endswith("# EOF")
     finally:
         server.shutdown()
         server.server_close()
@@ -237,7 +228,7 @@ def test_serve_metrics_http():
 
 def test_stats_publisher_rate_limit_and_ttl():
     r = fakeredis.FakeRedis()
-    m = WorkerMetrics()
+    m = WorkerMetrics(MODEL)
     pub = StatsPublisher(r, "w1", m, every_s=1.0)
     key = worker_stats_key("w1")
     pub.maybe_publish(now=0.0)
@@ -260,7 +251,7 @@ def test_stats_publisher_rate_limit_and_ttl():
 
 def test_stats_publisher_thread():
     r = fakeredis.FakeRedis()
-    m = WorkerMetrics()
+    m = WorkerMetrics(MODEL)
     pub = StatsPublisher(r, "w2", m).start(poll_s=0.01)
     try:
         deadline = time.monotonic() + 5
@@ -283,10 +274,10 @@ def test_stats_publisher_swallows_redis_errors():
         def set(self, *a, **k):
             raise ConnectionError("down")
 
-    StatsPublisher(Broken(), "w", WorkerMetrics()).maybe_publish()
+    StatsPublisher(Broken(), "w", WorkerMetrics(MODEL)).maybe_publish()
 
 
-# ---- end to end (needs the worker wired) ---------------------------------------------
+# ---- end to end (a real worker) ---------------------------------------------------------
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -295,32 +286,97 @@ def _free_port() -> int:
 
 
 def test_worker_metrics_end_to_end(redis_url, redis_conn, start_worker):
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
     from kiviq.client import Client
     from kiviq.client.top import collect
+    from kiviq.jobs.keys import TASK_PATH, queue_name
 
     port = _free_port()
     start_worker("--metrics-port", str(port))
     client = Client(redis_url)
     handles = [client.submit(prompt=p, max_tokens=4) for p in ("The sky is", "One two three")]
+    # a job that fails on the worker before it reaches the engine (invalid request)
+    queue = Queue(queue_name("default"), connection=redis_conn, serializer=JSONSerializer)
+    bad = queue.enqueue_call(TASK_PATH, args=({"prompt": "x", "max_tokens": -5},), timeout=-1)
     for h in handles:
         h.result(timeout=120)
-    deadline = time.monotonic() + 10
-    while True:
+    deadline = time.monotonic() + 30
+    while bad.get_status(refresh=True).value != "failed":
+        assert time.monotonic() < deadline, bad.get_status(refresh=True)
+        time.sleep(0.2)
+
+    def scrape() -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            fam = parse_exposition(r.read().decode())
-        if value_of(fam, "kiviq:request_success_total") >= 2 or time.monotonic() > deadline:
+            return parse(r.read().decode())
+
+    while True:
+        fam = scrape()
+        if value_of(fam, "kiviq:request_ended_total") >= 3 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert value_of(fam, "kiviq:request_success_total") == 2
+    assert value_of(fam, "kiviq:request_ended_total", outcome="failed") == 1
+    # every job that ended was admitted first (also the one that failed validation)
+    assert value_of(fam, "kiviq:request_admitted_total") == value_of(fam, "kiviq:request_ended_total") == 3
+    assert value_of(fam, "kiviq:request_admitted_total", model_name="SmolLM2-135M-Instruct") == 3
     assert value_of(fam, "kiviq:generation_tokens_total") > 0
     assert value_of(fam, "kiviq:time_to_first_token_seconds_count") == 2
+    assert value_of(fam, "kiviq:time_per_output_token_seconds_count") == 2
     assert value_of(fam, "kiviq:step_duration_seconds_count") > 0
+    assert value_of(fam, "kiviq:num_preemptions_total") == 0
+    assert value_of(fam, "process_resident_memory_bytes") > 0
     # kiviq top's numbers, from the worker's published snapshot
     while True:
         data = collect(redis_conn)
         if data["jobs"]["total"]["finished"] >= 2 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert data["jobs"]["total"]["finished"] == 2
+    assert data["jobs"]["total"]["finished"] == 2 and data["jobs"]["total"]["failed"] == 1
     assert data["jobs"]["per_min"]["finished"] == 2
     assert len(data["workers"]) == 1 and data["workers"][0]["stats"] is not None
+
+
+# ---- the Grafana dashboard ------------------------------------------------------------
+
+def test_grafana_dashboard_uses_only_exported_metrics():
+    import re
+    from pathlib import Path
+
+    dash = json.loads((Path(__file__).resolve().parents[1] / "docs" / "grafana" / "kiviq.json").read_text())
+    m = WorkerMetrics(MODEL)
+    exported = {s.name for f in parse(m.render()).values() for s in f.samples}
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    exprs += [v["query"]["query"] for v in dash["templating"]["list"] if isinstance(v.get("query"), dict)]
+    assert len(exprs) > 20
+    used = set()
+    for expr in exprs:
+        names = set(re.findall(r"\b((?:kiviq:|process_)[a-zA-Z0-9_:]+)", expr))
+        assert names, f"no metric in {expr!r}"
+        unknown = names - exported
+        assert not unknown, f"{expr!r} uses {unknown}, which the worker does not export"
+        used |= names
+    for needed in ("kiviq:generation_tokens_total", "kiviq:num_requests_queued", "kiviq:num_requests_waiting",
+                   "kiviq:time_to_first_token_seconds_bucket", "kiviq:inter_token_latency_seconds_bucket",
+                   "kiviq:kv_cache_usage_perc", "kiviq:num_preemptions_total"):
+        assert needed in used, needed  # throughput, queue depth, TTFT/ITL, KV usage
+    for panel in dash["panels"]:
+        if panel["type"] != "row":
+            assert panel["targets"] and panel["datasource"]["uid"] == "${datasource}"
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+
+
+def test_queue_lengths_published_as_gauge():
+    from kiviq.client import Client
+
+    r = fakeredis.FakeRedis()
+    client = Client(connection=r)
+    for priority in ("low", "low", "high"):
+        client.submit(prompt="x", max_tokens=1, priority=priority)
+    m = WorkerMetrics(MODEL)
+    StatsPublisher(r, "w", m).publish()
+    fam = parse(m.render())
+    assert value_of(fam, "kiviq:num_requests_queued", queue="kiviq-low") == 2
+    assert value_of(fam, "kiviq:num_requests_queued", queue="kiviq-high") == 1
+    assert value_of(fam, "kiviq:num_requests_queued", queue="kiviq-default") == 0

@@ -33,3 +33,35 @@ def test_high_priority_jobs_run_first_and_rq_info_lists_worker(start_worker, red
     for name in ("kiviq-high", "kiviq-default", "kiviq-low"):
         assert name in info.stdout
     assert "1 workers" in info.stdout
+
+
+def _wait_for(cond, timeout: float, what: str):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_rq_sees_all_queues_from_start_and_worker_idle_or_busy(start_worker, redis_url, redis_conn):
+    from rq import Queue, Worker
+
+    # nothing was ever enqueued: the worker itself registers its queues
+    start_worker()
+    assert {q.name for q in Queue.all(connection=redis_conn)} >= {"kiviq-high", "kiviq-default", "kiviq-low"}
+
+    def state() -> str:
+        (worker,) = Worker.all(connection=redis_conn)
+        return str(getattr(worker.get_state(), "value", worker.get_state()))
+
+    _wait_for(lambda: state() == "idle", 30, "idle worker")
+    client = Client(redis_url)
+    job = client.submit(prompt="Count from one to one thousand: one, two,", max_tokens=150)
+    next(job.stream(timeout=120))  # its sequence is running
+    assert state() == "busy"
+    job.result(timeout=300)
+    _wait_for(lambda: state() == "idle", 30, "idle worker after the job")

@@ -12,7 +12,8 @@ import pytest
 import kiviq.client.top as top
 from kiviq.client import Client
 from kiviq.client.cli import main
-from kiviq.worker.metrics import StatsPublisher, WorkerMetrics
+from kiviq.worker.metrics import WorkerMetrics
+from kiviq.worker.stats import StatsPublisher
 
 
 def fake_worker(conn, name: str, finished: int, failed: int = 0) -> WorkerMetrics:
@@ -62,7 +63,14 @@ def test_top_once_cli_real_redis(redis_url, redis_conn, capsys):
     frame = capsys.readouterr().out
     rows = {line.split()[0]: line.split() for line in frame.splitlines() if line.strip()}
     assert rows["kiviq-high"][1] == "1" and rows["kiviq-default"][1] == "2" and rows["kiviq-low"][1] == "0"
-    assert rows["finished"][1:] == ["2", "2"]  # jobs/min (last 60 s), total
+    assert rows["finished"][1:] == ["2", "2"]  # jobs/min (last 60 s), since worker start
+    # two different "finished" counts, labelled so they cannot be confused
+    lines = frame.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("QUEUE ")))
+    assert "IN RQ REGISTRIES" in lines[header - 1] and "FINISHED" in lines[header]
+    assert any("result/failure TTL" in line for line in lines)
+    jobs_header = next(line for line in lines if line.startswith("ENDED BY WORKERS"))
+    assert "SINCE WORKER START" in jobs_header and "TOTAL" not in frame
     assert rows["failed"][1:] == ["1", "1"]
     assert rows["gpu-worker-1"][1:4] == ["-", "1", "0"]  # state, running, waiting
     assert "\x1b" not in frame

@@ -9,8 +9,9 @@ from redis.exceptions import RedisError
 
 from kiviq.jobs.settings import redis_url_from_env
 from kiviq.worker.cli import redact
-from kiviq.worker.metrics import StatsPublisher, WorkerMetrics, serve_metrics
+from kiviq.worker.metrics import WorkerMetrics, serve_metrics
 from kiviq.worker.service import BatchWorker
+from kiviq.worker.stats import StatsPublisher
 
 log = logging.getLogger("kiviq.worker")
 
@@ -58,7 +59,7 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
     except RedisError as e:
         raise StartupError(f"cannot reach Redis at {redact(url)}: {str(e).rstrip('.')}; "
                            "start one or pass --redis-url") from e
-    metrics = WorkerMetrics()
+    metrics = WorkerMetrics(model_name=model or "SmolLM2-135M-Instruct")
     if metrics_port is not None:  # bind before the slow model load: a taken port fails fast
         try:
             serve_metrics(metrics, metrics_port, host=metrics_host)

@@ -31,6 +31,7 @@ from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.utils import now
+from rq.worker import WorkerStatus
 
 from kiviq.engine.setup import context_length
 from kiviq.jobs.keys import TASK_PATH, cancel_flag, max_queued_key, queue_names, replay_log
@@ -115,6 +116,9 @@ class BatchWorker(SimpleWorker):
         Returns:
             The number of jobs that ended (finished, failed or cancelled).
         """
+        # rq lists queues from its rq:queues set, which only enqueue fills:
+        # register all three so `rq info` and rq-dashboard show them from now.
+        self.connection.sadd(Queue.redis_queues_keys, *[q.key for q in self.queues])
         self.bootstrap(logging_level)
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
@@ -132,6 +136,7 @@ class BatchWorker(SimpleWorker):
                     if self._stop_at is not None and (not self.active or time.monotonic() >= self._stop_at):
                         break
                     self._housekeeping()
+                    self._sync_state()
                     if self._stop_at is None:
                         self._admit(block=not self.active and not burst)
                     if not self.active:
@@ -155,6 +160,14 @@ class BatchWorker(SimpleWorker):
             except redis.exceptions.RedisError as e:  # rq's cleanup requeues what we could not
                 log.error("shutdown bookkeeping failed: %s", e)
         return self.ended
+
+    def _sync_state(self) -> None:
+        """rq state: ``busy`` while sequences are active, ``idle`` otherwise
+        (rq's own loop would set idle before each dequeue; this one never
+        runs it, and ``prepare_job_execution`` leaves the worker ``busy``)."""
+        want = WorkerStatus.BUSY if self.active else WorkerStatus.IDLE
+        if self.get_state() != want:
+            self.set_state(want)
 
     def _on_signal(self, signum, frame):
         if self._stop_at is None:
@@ -219,6 +232,8 @@ class BatchWorker(SimpleWorker):
         job.started_at = now()
         active = ActiveJob(job, queue, execution, self.publisher.next_seq(job.id))
         self.active[job.id] = active
+        if self.metrics is not None:  # taken from its queue: admitted, whatever happens next
+            self.metrics.job_admitted(job.id, self._queue_wait(job), queue.name)
         if self._already_ended(active):
             return
         if active.next_seq > 0:  # a requeued job: clients drop what they saw
@@ -238,8 +253,6 @@ class BatchWorker(SimpleWorker):
         if engine_request.sampling.logprobs is not None:
             active.logprobs = []
         self.engine.add(engine_request)
-        if self.metrics is not None:
-            self.metrics.job_admitted(job.id, self._queue_wait(job), queue.name)
         log.info("job %s admitted (%d prompt tokens)", job.id, active.prompt_tokens)
 
     def _already_ended(self, active: ActiveJob) -> bool:
@@ -460,6 +473,9 @@ class BatchWorker(SimpleWorker):
             pipe.execute()
         self.publisher.publish([StreamEvent(job_id=job_id, seq=self.publisher.next_seq(job_id),
                                             type=EventType.error, finish_reason=FinishReason.error, error=message)])
+        if self.metrics is not None:  # taken from a queue and ended: counted like any other job
+            self.metrics.job_admitted(job_id, 0.0, queue.name)
+            self.metrics.job_finished(job_id, "failed", 0.0, 0, 0)
 
     def _requeue_all(self) -> None:
         """Put jobs still in the engine back at the front of their queues."""
