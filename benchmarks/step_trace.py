@@ -40,6 +40,7 @@ import argparse
 import collections
 import contextlib
 import hashlib
+import json
 import os
 import statistics
 import sys
@@ -333,10 +334,47 @@ def _flushing_and_other(values: list[float], flushed: list[bool], summary, fmt: 
     return " / ".join(fmt.format(summary(x)) if x else "-" for x in parts)
 
 
+def across_processes(args) -> None:
+    """``--processes N``: this command without ``--processes``, in N fresh
+    processes in turn; per arm, the median step of each process, their min /
+    median / max and the slowest-to-fastest ratio, and whether every process
+    produced the same tokens."""
+    import subprocess
+    import tempfile
+
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif a == "--processes":
+            skip = True
+        elif not a.startswith("--processes="):
+            argv.append(a)
+    print(f"# {command()}\n# {machine()}\n")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.processes):
+            path = os.path.join(tmp, f"{i}.json")
+            subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--summary-json", path], check=True)
+            with open(path) as f:
+                results.append(json.load(f))
+    rows = []
+    for label in results[0]:
+        medians = [r[label]["median_ms"] for r in results]
+        digests = {r[label]["digest"] for r in results}
+        lo, hi = min(medians), max(medians)
+        rows.append([label, " ".join(f"{m:.2f}" for m in medians),
+                     f"{lo:.2f} / {statistics.median(medians):.2f} / {hi:.2f}", f"{hi / lo:.2f}x",
+                     "same" if len(digests) == 1 else f"{len(digests)} different"])
+    print(f"\n{args.processes} fresh processes\n")
+    print(table(["arm", "median step ms per process", "min / median / max", "slowest / fastest", "tokens"],
+                rows))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arm", action="append", dest="arms", metavar="SPEC",
-                   help="repeatable: kiviq[,flush_blocks=K][,flush=gather|fused][,tail=scatter|kernel][,bits=B] (kiviq's engine), "
+                   help="repeatable: kiviq[,flush_blocks=K][,bits=B][,compile=1|0][,pipeline=1|0][,table=N] (kiviq's engine), "
                         "mlxlm (mlx-lm's own cache, one request, B=1) or batchgen (mlx-lm's BatchGenerator); "
                         "default kiviq")
     p.add_argument("--shape", default="qwen3-4b", choices=sorted(SHAPES))
@@ -355,7 +393,16 @@ def main() -> None:
                    help="profile the timed steps' host work with cProfile (Python functions and the "
                         "MLX calls they make; eval-time work shows under the call that waits)")
     p.add_argument("--top", type=int, default=25, help="kernel rows (and host functions) to print")
+    p.add_argument("--processes", type=int, default=1,
+                   help="run the whole measurement in N fresh processes, one after another, and report "
+                        "each arm's median step per process and their spread (the same build can time "
+                        "1.5x apart in two processes: judge a change against this)")
+    p.add_argument("--summary-json", dest="summary_json", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.processes > 1:
+        if args.trace or args.host_profile:
+            raise SystemExit("--processes times steps; trace or profile one process")
+        return across_processes(args)
     arms = [Arm(spec, args) for spec in (args.arms or ["kiviq"])]
     if (args.trace or args.host_profile) and (len(arms) > 1 or args.rounds > 1):
         raise SystemExit("--trace and --host-profile profile one arm in one round")
@@ -377,6 +424,11 @@ def main() -> None:
         if host is not None:
             host.disable()
     report(arms, args)
+    if args.summary_json:
+        with open(args.summary_json, "w") as f:
+            json.dump({arm.label: {"median_ms": statistics.median(arm.times) * 1e3,
+                                   "digest": hashlib.sha1(repr(arm.history).encode()).hexdigest()[:10]}
+                       for arm in arms}, f)
     if host is not None:
         print_host_profile(host, args.steps, args.top)
     if not args.trace:
