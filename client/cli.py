@@ -22,10 +22,10 @@ from kiviq.client.client import Client
 from kiviq.client.errors import QueueFull
 from kiviq.client.local_redis import ensure_redis
 from kiviq.client.streaming import JobFailed
-from kiviq.client.top import _redact as redact_url
+from kiviq.jobs.cli_help import HelpFormatter
 from kiviq.jobs.keys import queue_name
 from kiviq.jobs.models import GenerateRequest
-from kiviq.jobs.settings import DEFAULT_REDIS_URL, redis_url_from_env
+from kiviq.jobs.settings import DEFAULT_REDIS_URL, redact_url, redis_url_from_env
 from kiviq.jobs.validation import InvalidRequest
 
 DEMO_PROMPTS = [
@@ -41,19 +41,6 @@ FIELD_FLAGS = {"top_logprobs": "--logprobs", "logprobs": "--logprobs", "prompt":
 
 class UsageError(Exception):
     """A bad command line: exit status 2."""
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """argparse's defaults in the help, except where the help text already
-    says the default (options whose default is None say it in words)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text.lower() or action.default is None:
-            return text
-        if action.default is False and action.nargs == 0:  # store_true
-            return text + " (default: off)"
-        return super()._get_help_string(action)
 
 
 def _redis_url(args: argparse.Namespace) -> str:

@@ -27,12 +27,12 @@ import json
 import sys
 import time
 from typing import Any, TextIO
-from urllib.parse import urlsplit, urlunsplit
 
 from redis import Redis
 from rq import Queue, Worker
 
 from kiviq.jobs.keys import queue_names, worker_stats_key, worker_stats_pattern
+from kiviq.jobs.settings import redact_url, redis_url_from_env
 
 OUTCOMES = ("finished", "failed", "cancelled", "timeout")
 
@@ -127,21 +127,10 @@ def _num(v: Any, fmt: str = "{:.1f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password:
-        host = parts.hostname or ""
-        if parts.port:
-            host += f":{parts.port}"
-        user = f"{parts.username}:***@" if parts.username else ":***@"
-        return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
-    return url
-
-
 def render_frame(data: dict, url: str = "") -> str:
     """One frame of plain text (no escape codes)."""
     stamp = time.strftime("%H:%M:%S", time.localtime(data["time"]))
-    lines = [f"kiviq top   {_redact(url)}   {stamp}".rstrip(), ""]
+    lines = [f"kiviq top   {redact_url(url)}   {stamp}".rstrip(), ""]
 
     lines.append(" " * 24 + f"{' IN RQ REGISTRIES ':-^27}")
     lines.append(f"{'QUEUE':<16}{'QUEUED':>8}{'STARTED':>9}{'FINISHED':>10}{'FAILED':>8}")
@@ -190,7 +179,6 @@ def run_top(redis_url: str | None = None, *, interval: float = 1.0, once: bool =
             out: TextIO | None = None) -> int:
     """``kiviq top``: redraw every ``interval`` s until Ctrl-C; ``once``
     prints one frame (or, with ``as_json``, the numbers) and returns."""
-    from kiviq.jobs.settings import redis_url_from_env
 
     out = out or sys.stdout
     url = redis_url_from_env(redis_url)
@@ -206,7 +194,7 @@ def run_top(redis_url: str | None = None, *, interval: float = 1.0, once: bool =
             try:
                 frame = render_frame(collect(conn), url)
             except Exception as e:  # noqa: BLE001 - Redis down: say so, keep trying
-                frame = f"kiviq top   {_redact(url)}   {time.strftime('%H:%M:%S')}\n\nerror: {type(e).__name__}: {e}\n"
+                frame = f"kiviq top   {redact_url(url)}   {time.strftime('%H:%M:%S')}\n\nerror: {type(e).__name__}: {e}\n"
             # home, then each line clearing its old tail, then clear below
             out.write("\x1b[H" + "".join(line + "\x1b[K\n" for line in frame.splitlines()) + "\x1b[J")
             out.flush()

@@ -8,11 +8,12 @@ import os
 import re
 import sys
 import traceback
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from redis.exceptions import RedisError
 
-from kiviq.jobs.settings import DEFAULT_REDIS_URL, redis_url_from_env
+from kiviq.jobs.cli_help import HelpFormatter
+from kiviq.jobs.settings import DEFAULT_REDIS_URL, redact_url, redis_url_from_env
 from kiviq.worker.blas import reexec_with_openblas
 
 # EngineConfig fields -> the flags that set them, so a config error names the flag
@@ -24,19 +25,6 @@ CONFIG_FLAGS = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size", "kv_
 class UsageError(SystemExit):
     """A bad flag value: ``main`` exits with status 2. A SystemExit, so a caller
     of ``engine_config`` that does not catch it still stops with its message."""
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """argparse's defaults in the help, except where the help text already
-    says the default (options whose default is None say it in words)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text.lower() or action.default is None:
-            return text
-        if action.default is False and action.nargs == 0:  # store_true
-            return text + " (default: off)"
-        return super()._get_help_string(action)
 
 
 def parse_bytes(text: str) -> int:
@@ -117,15 +105,6 @@ def engine_config(args: argparse.Namespace, environ=os.environ):
         raise UsageError(f"{e}" + (f"; set {' / '.join(flags)}" if flags else "")) from e
 
 
-def redact(url: str) -> str:
-    """The URL without its password, for messages."""
-    parts = urlsplit(url)
-    if not parts.password:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 def check_redis_url(args: argparse.Namespace) -> str:
     """The Redis URL the worker serves; a malformed one is a usage error."""
     url = redis_url_from_env(args.redis_url)
@@ -164,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         elif started is not None and isinstance(e, started.StartupError):
             message, status = str(e), e.status
         elif isinstance(e, RedisError):  # Redis went away while serving
-            message, status = f"Redis at {redact(redis_url)}: {type(e).__name__}: {e}", 1
+            message, status = f"Redis at {redact_url(redis_url)}: {type(e).__name__}: {e}", 1
         else:  # a crash while serving may not come back: keep its traceback
             if not args.debug:
                 traceback.print_exc()

@@ -7,8 +7,7 @@ import logging
 from redis import Redis
 from redis.exceptions import RedisError
 
-from kiviq.jobs.settings import redis_url_from_env
-from kiviq.worker.cli import redact
+from kiviq.jobs.settings import redact_url, redis_url_from_env
 from kiviq.worker.metrics import WorkerMetrics, serve_metrics
 from kiviq.worker.service import BatchWorker
 from kiviq.worker.stats import StatsPublisher
@@ -57,7 +56,7 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
     try:
         connection.ping()  # fail fast with a clear error before the slow model load
     except RedisError as e:
-        raise StartupError(f"cannot reach Redis at {redact(url)}: {str(e).rstrip('.')}; "
+        raise StartupError(f"cannot reach Redis at {redact_url(url)}: {str(e).rstrip('.')}; "
                            "start one or pass --redis-url") from e
     metrics = WorkerMetrics(model_name=model or "SmolLM2-135M-Instruct")
     if metrics_port is not None:  # bind before the slow model load: a taken port fails fast
