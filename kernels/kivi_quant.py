@@ -201,3 +201,41 @@ def blocks_to_tokens(x: mx.array) -> mx.array:
     """[N, H_kv, G, D] -> [H_kv, N * G, D], inverse of `tokens_to_blocks`."""
     n, h, g, d = x.shape
     return mx.swapaxes(x, 0, 1).reshape(h, n * g, d)
+
+
+def fake_quantize_keys(k: mx.array, bits: int, group_size: int,
+                       scale_dtype: mx.Dtype = mx.float16) -> mx.array:
+    """Quantize then dequantize keys as the cache does: what a reader of the blocks sees.
+
+    For simulations (no packing, so any group size dividing S works). Keys are
+    quantized per channel over each group of ``group_size`` consecutive tokens.
+
+    Args:
+        k: [..., S, D] with S % group_size == 0, the tokens to quantize.
+
+    Returns:
+        float32 [..., S, D]; equals dequantize_key_blocks(quantize_key_blocks(...)).
+    """
+    *lead, s, d = k.shape
+    g = group_size
+    if s % g:
+        raise ValueError(f"{s} tokens are not whole groups of {g}")
+    # [..., S//G, G, D] -> [..., S//G, D, G]: one group per (token group, channel).
+    kt = mx.swapaxes(k.reshape(*lead, s // g, g, d), -1, -2)
+    x = dequantize_groups(*quantize_groups(kt, bits, scale_dtype))
+    return mx.swapaxes(x, -1, -2).reshape(*lead, s, d)
+
+
+def fake_quantize_values(v: mx.array, bits: int, group_size: int,
+                         scale_dtype: mx.Dtype = mx.float16) -> mx.array:
+    """Quantize then dequantize values as the cache does (per token, groups of
+    ``group_size`` consecutive channels). v: [..., D] with D % group_size == 0.
+
+    Returns:
+        float32, v's shape; equals dequantize_value_blocks(quantize_value_blocks(...)).
+    """
+    *lead, d = v.shape
+    if d % group_size:
+        raise ValueError(f"head_dim {d} is not whole groups of {group_size}")
+    x = dequantize_groups(*quantize_groups(v.reshape(*lead, d // group_size, group_size), bits, scale_dtype))
+    return x.reshape(v.shape)

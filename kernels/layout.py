@@ -138,3 +138,21 @@ def allocate_pool(
         tail_k=mx.zeros((ns, h, residual + g, d), dtype=dtype),
         tail_v=mx.zeros((ns, h, residual + g, d), dtype=dtype),
     )
+
+
+def bytes_per_token(num_kv_heads: int, head_dim: int, *, bits: int, key_group: int, value_group: int,
+                    fp16_key_channels: int = 0, scale_bytes: int = 2) -> float:
+    """Bytes one token costs in one layer's quantized blocks (the fp16 tail excluded).
+
+    Codes: b bits per element of K and V. Keys: one scale and one zero per channel
+    per ``key_group`` tokens. Values: one scale and one zero per ``value_group``
+    channels of each token. ``fp16_key_channels`` channels per kv head (outliers)
+    are stored as 2-byte floats instead of codes, and have no scales. With
+    key_group == value_group == G this is the pool's block bytes / G (see
+    `allocate_pool`); fp16 costs 2 * H_kv * D * 2.
+    """
+    h, d, c = num_kv_heads, head_dim, fp16_key_channels
+    codes = h * (d - c) * bits / 8 + h * d * bits / 8
+    key_sz = h * (d - c) * 2 * scale_bytes / key_group
+    value_sz = h * (d // value_group) * 2 * scale_bytes
+    return codes + key_sz + value_sz + h * c * 2

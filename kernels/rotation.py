@@ -1,0 +1,52 @@
+"""Orthogonal rotations of K and V along head_dim, before KIVI quantization.
+
+A rotation spreads a few large channels over all of them, so a quantization group
+(values: G consecutive channels of one token) no longer has its range set by one
+outlier. With an orthogonal M (M @ M.T = I) attention is unchanged in exact
+arithmetic: scores q . k = (q M) . (k M), and the output sum_t p_t v_t M is rotated
+back by M.T. So a cache may store quantize(k M), quantize(v M) and either rotate q
+and the output (a kernel) or rotate the dequantized K, V back (a reference or a
+simulation): the two are the same in exact arithmetic.
+
+The matrix is the normalized Sylvester-Hadamard matrix H_n / sqrt(n) (n a power of
+two; entries +-1/sqrt(n)), optionally with its rows multiplied by a fixed random
++-1 sign per channel (``seed``): diag(s) @ H is orthogonal too, and breaks the
+Hadamard pattern's alignment with structured channels.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+
+def hadamard(n: int, seed: int | None = None) -> mx.array:
+    """The orthogonal [n, n] float32 matrix diag(s) @ H_n / sqrt(n).
+
+    Args:
+        n: size, a power of two (head_dim).
+        seed: None for s = 1; else s = random +-1 signs from numpy's default_rng(seed).
+
+    Raises:
+        ValueError: n is not a power of two.
+    """
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {n}")
+    h = np.ones((1, 1))
+    while h.shape[0] < n:  # Sylvester: H_2m = [[H, H], [H, -H]], exact in float64
+        h = np.block([[h, h], [h, -h]])
+    h = h / np.sqrt(n)
+    if seed is not None:
+        signs = np.random.default_rng(seed).choice([-1.0, 1.0], size=n)
+        h = signs[:, None] * h
+    return mx.array(h.astype(np.float32))
+
+
+def rotate(x: mx.array, m: mx.array) -> mx.array:
+    """x [..., n] -> x @ m, in float32 (the rotated channels)."""
+    return x.astype(mx.float32) @ m
+
+
+def unrotate(x: mx.array, m: mx.array) -> mx.array:
+    """Inverse of `rotate` for an orthogonal m: x @ m.T, in float32."""
+    return x.astype(mx.float32) @ m.T
