@@ -68,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--pipeline-decode", action=argparse.BooleanOptionalAction, default=True,
                    help="build each decode step while the previous one runs on the device (same tokens; "
                         "events one step later; default on)")
-    w.add_argument("--max-batch-tokens", type=int, default=1024,
-                   help="most tokens fed to the model per engine step (decode + prefill chunks)")
+    w.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="most tokens fed to the model per engine step (decode + prefill chunks; "
+                        "default: for the device, e.g. 16384 for a 4B model on an H200, 1024 on a CPU)")
     w.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=None,
                    help="dequantize the model's quantized layers to float32 (default: only on CPU)")
     w.add_argument("--metrics-port", type=int, default=None,
