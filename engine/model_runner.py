@@ -31,6 +31,13 @@ def vocabulary_projection(model: nn.Module):
     return getattr(model, "lm_head", None)
 
 
+# Prefill forwards are padded to a multiple of this many tokens: MLX builds a cuDNN
+# attention graph per (batch, length) shape, so a burst of prompts of scattered
+# lengths would build one per forward; padding (at most 63 tokens a row) makes
+# shapes repeat.
+PREFILL_WIDTH_MULTIPLE = 64
+
+
 class ModelRunner:
     """Runs an mlx-lm model whose attention reads and writes a KiviStore."""
 
@@ -63,7 +70,7 @@ class ModelRunner:
             [B, V] logits after each chunk's last token.
         """
         lengths = [len(c) for c in chunks]
-        width = max(lengths)
+        width = -(-max(lengths) // PREFILL_WIDTH_MULTIPLE) * PREFILL_WIDTH_MULTIPLE
         batch = self.store.begin_prefill(seqs, lengths, width)
         tokens = mx.array([c + [0] * (width - len(c)) for c in chunks])
         caches = [KiviLayerCache(self.store, layer, seqs, prefill=batch) for layer in range(self.store.num_layers)]
