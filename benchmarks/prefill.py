@@ -16,6 +16,7 @@ commands (a budget sweep, an older checkout) can be compared token for token.
     python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --prompt-tokens 1200 --gen 256 --runs 3
     python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --gen 1 --max-batch-tokens 4096 16384
     python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --gen 1 --runs 2 --trace
+    python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --gen 256 --runs 2 --warm-up
 
 ``--ceiling`` also times the bare model (mlx-lm, no cache) over the same
 prompts in right-padded forwards of the same budget: what the matmuls and the
@@ -114,6 +115,8 @@ def main() -> None:
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--max-batch-tokens", type=int, nargs="*", default=[None],
                    help="engine budgets to run (default: the worker's default)")
+    p.add_argument("--warm-up", action="store_true", dest="warm_up",
+                   help="run the worker's warm-up (engine.warmup) before the first run, and time it")
     p.add_argument("--ceiling", action="store_true", help="also time the bare model over the same prompts")
     p.add_argument("--trace", action="store_true", help="trace the last run's device ops (CUDA, PyTorch)")
     p.add_argument("--top", type=int, default=15)
@@ -127,13 +130,17 @@ def main() -> None:
         options = {} if budget is None else {"max_batch_tokens": budget}
         engine = build_engine(model, IdTokenizer(), kv_bits=args.bits, max_sequences=args.requests, **options)
         budget = engine.scheduler.max_batch_tokens
+        if args.warm_up:
+            from kiviq.engine.warmup import warm_up
+
+            print(f"warm-up took {warm_up(engine, vocab):.1f} s", flush=True)
         for run in range(args.runs):
             prompts = make_prompts(run, args.requests, args.prompt_tokens, vocab)
             traced = args.trace and run == args.runs - 1
             with device_trace() if traced else contextlib.nullcontext([]) as ev:
                 r = run_engine(engine, prompts, args.gen)
             events = ev or events
-            rows.append([budget, run, "cold" if run == 0 else "warm", f"{r['first_all']:.2f}",
+            rows.append([budget, run, ("after warm-up" if args.warm_up else "cold") if run == 0 else "warm", f"{r['first_all']:.2f}",
                          f"{r['prompt'] / r['first_all']:,.0f}", f"{r['total']:.2f}",
                          f"{r['generated'] / r['total']:,.1f}",
                          f"{pct(r['itl_burst'], 50)} / {pct(r['itl_burst'], 99)}",
