@@ -64,12 +64,13 @@ def test_pack_first_chunks_groups_similar_lengths_within_the_budget():
     # Longest first; a short chunk does not pad a long one's forward.
     assert pack_first_chunks([20, 100, 98, 19], 1000) == [[1, 2], [0, 3]]
     lengths = [1200 + (i * 37) % 240 - 120 for i in range(64)]
-    groups = pack_first_chunks(lengths, 16384)
+    groups = pack_first_chunks(lengths, 16384, multiple=64)
     assert sorted(i for g in groups for i in g) == list(range(64))
     for g in groups:
-        padded = len(g) * max(lengths[i] for i in g)
+        padded = len(g) * -(-max(lengths[i] for i in g) // 64) * 64
         assert padded <= 16384 and padded - sum(lengths[i] for i in g) <= 0.125 * padded
     assert len(groups) <= 7  # 77k tokens in forwards of <= 16k
+    assert pack_first_chunks([100, 90, 80], 256, multiple=128) == [[0, 1], [2]]  # 2 x 128 fit, 3 do not
 
 
 def test_batched_prefill_equals_one_by_one(smollm2):
