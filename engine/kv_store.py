@@ -23,6 +23,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from kiviq.engine.block_manager import BlockManager, OutOfKVMemory, SequenceKV
 from kiviq.engine.config import KVConfig
@@ -301,19 +302,26 @@ class KiviStore:
             else:
                 s.tail_lens[layer], s.blocks_used[layer] = t, nb
         offsets = [nb * g + t for t, nb in before]
-        slots = mx.array([s.slot for s in seqs], dtype=mx.int32)
-        write_pos = mx.array([t - 1 for t in tails], dtype=mx.int32)
-        shape = (len(seqs), self.pools[0].tail_k.shape[1], 1)
+        # The step's ints in one host array, so the GPU migrates one managed
+        # allocation per step instead of one per array (~250 us of device time
+        # each, measured on an H200); the arrays are views of it.
+        b = len(seqs)
+        tables = self.blocks.block_tables(seqs, blocks, self.table_width_multiple)
+        packed = mx.array(np.concatenate([
+            np.array([[s.slot for s in seqs], [t - 1 for t in tails], blocks, tails, offsets], dtype=np.int32).ravel(),
+            tables.ravel()]))
+        slots, write_pos, num_blocks, tail_lens, offsets_d = (packed[i * b:(i + 1) * b] for i in range(5))
+        shape = (b, self.pools[0].tail_k.shape[1], 1)
         write_index = (mx.broadcast_to(slots[:, None, None], shape),
                        mx.broadcast_to(mx.arange(shape[1], dtype=mx.int32)[None, :, None], shape),
                        mx.broadcast_to(write_pos[:, None, None], shape))
         return DecodeBatch(
             seqs,
             slots=slots,
-            block_tables=self.block_tables(seqs, blocks),
-            num_blocks=mx.array(blocks, dtype=mx.int32),
-            tail_lens=mx.array(tails, dtype=mx.int32),
-            offsets=offsets[0] if len(offsets) == 1 else mx.array(offsets, dtype=mx.int32),
+            block_tables=packed[5 * b:].reshape(tables.shape),
+            num_blocks=num_blocks,
+            tail_lens=tail_lens,
+            offsets=offsets[0] if b == 1 else offsets_d,
             write_index=write_index,
         )
 
