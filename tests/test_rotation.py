@@ -221,3 +221,124 @@ def test_worker_rejects_a_bad_kv_bits_with_one_line():
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0] == ("kiviq worker: error: --kv-bits 3: must be one of 2, 2r, 4, 8, 16 "
                         "(2r: 2-bit with K and V Hadamard-rotated)")
+
+
+# ---- the engine at 2r on the real model -------------------------------------------------
+
+TEXT = ("The old lighthouse keeper climbed the spiral stairs every evening, counting each step "
+        "aloud while the gulls circled and the sea rolled grey beneath the cliffs. ")
+
+
+def engine_2r(model, tok, **options):
+    from kiviq.engine import build_engine
+
+    kw = dict(kv_bits=2, kv_rotate=True, kv_group_size=16, kv_residual=32, kv_memory=1 << 27, max_sequences=8,
+              max_batch_tokens=96, compile_decode=False)
+    return build_engine(model, tok, **{**kw, **options})
+
+
+def requests(tok, n=4, max_tokens=24):
+    from kiviq.engine import Request
+
+    # Prompts of 40..150 tokens: mostly in 2-bit blocks (G=16, R=32), several prefill chunks each.
+    return [Request(f"r{i}", tok.encode(TEXT * (1 + i % 3) + f"Question {i}: what happened next?"),
+                    max_tokens + 3 * i) for i in range(n)]
+
+
+def test_engine_2r_batch_equals_single_and_compiled_equals_plain(smollm2):
+    """Through build_engine at 2r: batched first chunks, continuation chunks and decode
+    with flushes; a sequence decodes as it does alone, and compiled steps (mx.compile
+    over the rotation ops) give the same tokens."""
+    model, tok = smollm2
+    engine = engine_2r(model, tok)
+    assert engine.kv_store.config.rotate and engine.kv_store.rotation is not None
+    batched = run_engine(engine, requests(tok), join_every=2)
+    assert engine.kv_store.blocks.used_bytes() == 0
+    assert all(len(t) == 24 + 3 * i for i, t in enumerate(batched.values()))  # random text: no early EOS
+    for r in requests(tok):
+        assert run_engine(engine_2r(model, tok), [r])[r.request_id] == batched[r.request_id], r.request_id
+    assert run_engine(engine_2r(model, tok, compile_decode=True), requests(tok), join_every=2) == batched
+
+
+def test_engine_2r_with_nothing_quantized_equals_the_unrotated_store(smollm2):
+    """With R above every sequence's length nothing is quantized: the rotation alone is
+    an identity (float32 rounding), so greedy tokens equal the unrotated store's; with
+    G=16, R=32 they differ (the quantization error differs)."""
+    model, tok = smollm2
+    reqs = lambda: requests(tok, 3, 16)  # noqa: E731
+    rotated = run_engine(engine_2r(model, tok, kv_residual=256), reqs())
+    assert rotated == run_engine(engine_2r(model, tok, kv_residual=256, kv_rotate=False), reqs())
+    assert run_engine(engine_2r(model, tok), reqs()) != run_engine(engine_2r(model, tok, kv_rotate=False), reqs())
+
+
+def test_store_at_2r_agrees_with_the_simulation(smollm2):
+    """benchmarks/kv_quant_sim.py's rot-kv (float32 K/V, rotate, fake-quantize, rotate
+    back) and the real store at 2r (rotated pools, rotated q and output) agree on 640
+    tokens of the quality text within issue 23's 1% (measured 0.19%), while plain
+    2-bit is 2.4% away. Not closer because 2-bit codes are discontinuous: the
+    simulation rotates by a float32 matmul, the store by mx.hadamard_transform, and
+    their ~1e-6 rounding difference flips a few codes, which compounds over 30
+    layers. With the store's op in the simulation they agree to 1e-4 (at 8 bits
+    to 3e-5 either way)."""
+    from benchmarks.kv_quality import chunked_nll, kivi_cache, load_text_tokens, ppl
+    from benchmarks.kv_quant_sim import Setting, SimLayerCache
+    from kiviq.engine.kivi_cache import AttentionHook
+
+    model, tok = smollm2
+    tokens = load_text_tokens(tok, 640)
+    setting = Setting("rot-kv", key_group=16, value_group=16, residual=32, rotate_k=True, rotate_v=True)
+    sim = ppl(chunked_nll(model, [SimLayerCache(setting, i, hadamard(D), None) for i in range(len(model.layers))],
+                          tokens, 32)[0])
+    result = {}
+    for rotate in (True, False):
+        cache = kivi_cache(model, 2, 16, 32, len(tokens), rotate=rotate)
+        with AttentionHook(model):
+            result[rotate] = ppl(chunked_nll(model, cache, tokens, 32)[0])
+        cache.release()
+    assert abs(result[True] / sim - 1) < 0.005, (result, sim)
+    assert abs(result[False] / sim - 1) > 0.015, (result, sim)
+
+
+# A chat whose earlier turns (~190 tokens) sit in 2-bit blocks when the question is
+# asked (G=32, R=32: the last 32..63 tokens stay fp16). The questions are ones the fp16
+# cache answers right (asserted). Measured on the 14 candidates tried: 2r kept every
+# fp16-correct fact; plain 2-bit drifted once (the sky answer turned to the lighthouse).
+# With the question itself in 2-bit blocks (a long instruction after it) this 135M
+# model loses about half its facts at 2 or 2r bits alike.
+HISTORY = [
+    {"role": "user", "content": "Tell me a short story about a lighthouse keeper."},
+    {"role": "assistant", "content": TEXT * 4 + "He lit the lamp, and the ships passed safely."},
+    {"role": "user", "content": "Thank you. Now a different question."},
+    {"role": "assistant", "content": "Of course. What would you like to know?"},
+]
+FACTS = {
+    "What is the capital of France?": "Paris",
+    "What is the capital of Japan?": "Tokyo",
+    "What is the chemical symbol for water?": "H2O",
+    "How many legs does a spider have?": "8",
+    "What is the capital of Italy?": "Rome",
+    "What is the capital of Germany?": "Berlin",
+}
+
+
+def test_factual_chat_answers_stay_right_at_2r(smollm2):
+    from kiviq.engine import Request, build_engine
+
+    model, tok = smollm2
+
+    def answers(**config):
+        reqs = []
+        for i, q in enumerate(FACTS):
+            text = tok.apply_chat_template(HISTORY + [{"role": "user", "content": q}], add_generation_prompt=True,
+                                           tokenize=False)
+            reqs.append(Request(f"q{i}", tok.encode(text, add_special_tokens=False), 12))
+        out = run_engine(build_engine(model, tok, **config), reqs)
+        return [tok.decode(out[f"q{i}"]) for i in range(len(FACTS))], len(reqs[0].prompt_tokens)
+
+    fp16, prompt_len = answers(kv_bits=16)
+    rotated, _ = answers(kv_bits=2, kv_rotate=True, kv_group_size=32, kv_residual=32, kv_memory=1 << 27,
+                         max_sequences=8)
+    assert prompt_len - 63 > 150  # most of the chat is in 2-bit blocks before the first answer token
+    for (question, fact), a16, a2r in zip(FACTS.items(), fp16, rotated):
+        assert fact in a16, (question, a16)
+        assert fact in a2r, (question, a16, a2r)
