@@ -43,18 +43,33 @@ def generate(model, tok, requests, *, bits, join_every=0, table_width_multiple=1
     return out
 
 
-@pytest.mark.parametrize("bits", [4, 2])
-def test_greedy_128_tokens_kernel_equals_reference(gpu_model, bits):
+@pytest.mark.parametrize("bits,rotate", [(4, False), (2, False), (2, True)], ids=["4", "2", "2r"])
+def test_greedy_128_tokens_kernel_equals_reference(gpu_model, bits, rotate):
+    """2r: the kernels read rotated pools (q rotated on entry, the output rotated back
+    in KiviLayerCache.attend), the same launches as at 2 bits."""
     from kiviq.engine import Request
 
     model, tok = gpu_model
     prompt = tok.encode(PROSE)[:600]  # 600 + 128 tokens: blocks flush during decode too
     assert dispatch.backend() in ("cuda", "metal")
-    kernel = generate(model, tok, [Request("k", prompt, 128)], bits=bits)["k"]
+    kernel = generate(model, tok, [Request("k", prompt, 128)], bits=bits, kv_rotate=rotate)["k"]
     assert dispatch.backend(False) == "reference"
-    reference = generate(model, tok, [Request("k", prompt, 128)], bits=bits, use_kernel=False)["k"]
+    reference = generate(model, tok, [Request("k", prompt, 128)], bits=bits, kv_rotate=rotate, use_kernel=False)["k"]
     assert len(kernel) == 128
     assert kernel == reference
+
+
+def test_compiled_pipelined_2r_equals_plain_with_kernel(gpu_model):
+    """2r with the kernels inside the compiled graph (mx.hadamard_transform traced with
+    them): the same tokens as plain steps, requests joining and leaving."""
+    from kiviq.engine import Request
+
+    model, tok = gpu_model
+    ids = tok.encode(PROSE)
+    reqs = lambda: [Request(f"r{i}", ids[i * 97: i * 97 + 200 + 150 * i], 40 + 4 * i) for i in range(6)]  # noqa: E731
+    plain = generate(model, tok, reqs(), bits=2, kv_rotate=True, join_every=3)
+    assert generate(model, tok, reqs(), bits=2, kv_rotate=True, join_every=3, compile_decode=True,
+                    pipeline=True) == plain
 
 
 def test_batch_equals_single_with_kernel(gpu_model):
