@@ -739,4 +739,3 @@ def test_decode_flush_cycle_with_kernels_matches_reference(g):
     for name, a, b in zip(KiviPool._fields, *pools):
         assert np.array_equal(to_np(a), to_np(b)), name
     assert len(tables[0]) >= 3
-
