@@ -70,11 +70,12 @@ class KiviLayerCache:
         """Attention for this layer; commits keys/values [B, H_kv, L, D].
 
         A rotated store (``KVConfig.rotate``, ``--kv-bits 2r``) lives in the Hadamard
-        basis: q, k and v are rotated along D on entry (``KiviStore.rotation``), every path below (decode,
-        prefill chunks) stores and attends to rotated rows only, and the output is
-        rotated back. H is orthogonal and symmetric, so q.k and softmax(qK^T) V H H
-        are unchanged in exact arithmetic, and pools, flushes and kernels need no
-        change: they quantize and read whatever rows they are given.
+        basis: q, k and v are rotated along D on entry (``KiviStore.rotation``),
+        every path below (decode, prefill chunks) stores and attends to rotated rows
+        only, and the output is rotated back. H is orthogonal and symmetric, so q.k
+        and softmax(qK^T) V H H are unchanged in exact arithmetic, and pools,
+        flushes and kernels need no change: they quantize and read whatever rows
+        they are given.
 
         Returns:
             [B, H_q, L, D].
