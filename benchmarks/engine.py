@@ -71,9 +71,13 @@ def run_kiviq(model, prompts, gen, bits, flush_blocks=1, plain=False):
     """kiviq's engine as the worker builds it (compiled, pipelined decode steps);
     ``plain``: neither (each step built op by op and waited for). The model's
     quantized matmuls as they are: the worker's flat ones are the arm's
-    (`flat_arm`), since the model is shared with the other arms."""
+    (`flat_arm`), since the model is shared with the other arms. ``bits`` as
+    ``--kv-bits`` names it (2r: the rotated 2-bit cache)."""
+    from kiviq.engine.config import parse_kv_bits
+
+    bits, rotate = parse_kv_bits(str(bits))
     budget = kivi_budget(model, bits, len(prompts), len(prompts[0]) + gen, flush_blocks)
-    engine = build_engine(model, IdTokenizer(), kv_bits=bits, kv_flush_blocks=flush_blocks,
+    engine = build_engine(model, IdTokenizer(), kv_bits=bits, kv_rotate=rotate, kv_flush_blocks=flush_blocks,
                           max_sequences=len(prompts), kv_memory=budget, max_batch_tokens=8192,
                           compile_decode=not plain, pipeline=not plain, flat_qmm=False)
     out = {i: [] for i in range(len(prompts))}
@@ -159,7 +163,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--context", type=int, nargs="+", default=[512, 4096])
     p.add_argument("--gen", type=int, default=64)
-    p.add_argument("--bits", type=int, nargs="+", default=[4, 2])
+    p.add_argument("--bits", nargs="+", default=["4", "2"], choices=["2", "2r", "4", "8"],
+                   help="kiviq arms, as --kv-bits names them (2r: rotated 2-bit, arm kiviq-2rbit)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--flush-blocks", type=int, nargs="+", default=[1],
                    help="kiviq: KIVI blocks quantized per flush; several values run one kiviq arm each "
@@ -173,7 +178,7 @@ def main() -> None:
                         "default): also run batchgen with them (batchgen-flat) and each kiviq arm without "
                         "them (<arm>-unflat)")
     p.add_argument("--arms", nargs="+", default=None,
-                   help="subset of arms: batchgen kiviq-4bit kiviq-2bit single")
+                   help="subset of arms: batchgen kiviq-4bit kiviq-2bit kiviq-2rbit single")
     args = p.parse_args()
     if not mx.metal.is_available() and not (hasattr(mx, "cuda") and mx.cuda.is_available()):
         print("note: no GPU backend; CPU numbers are not the target of this benchmark", file=sys.stderr)

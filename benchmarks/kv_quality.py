@@ -14,6 +14,14 @@ Model: the default SmolLM2-135M-Instruct (``engine.load(None)``; float32 on CPU)
        its own tokens and the last R..R+G-1 past tokens in full precision and
        everything older through quantized blocks. ``--chunk 1`` runs every token
        through the decode path (``KiviStore.decode_attend``) instead of prefill.
+       ``2r`` in ``--bits`` is the worker's ``--kv-bits 2r``: the same store with K
+       and V Hadamard-rotated (KVConfig.rotate), to compare with
+       benchmarks/kv_quant_sim.py's ``rot-kv`` row.
+     * bytes: each KIVI row reports the real pool's block bytes per token per layer
+       (codes, scales, zeros: ``KiviStore.blocks.block_bytes / (G * layers)``) and,
+       as benchmarks/kv_memory.py counts one 8192-token sequence, its blocks plus
+       an fp16 tail slot of R + k*G tokens, over an fp16 cache's bytes (the
+       issue-23 target convention; on a CPU the tails are float32, on a GPU fp16).
      * sanity: KIVI with R >= the whole text (nothing ever quantized) must equal fp.
    Perplexity = exp(mean NLL of tokens 1..N-1).
 
@@ -123,13 +131,32 @@ def full_forward_nll(model, tokens: list[int]) -> tuple[np.ndarray, mx.array]:
     return np.array(nll), logits
 
 
-def kivi_cache(model, bits: int, group_size: int, residual: int, n_tokens: int, flush_blocks: int = 1):
+def kivi_cache(model, bits: int, group_size: int, residual: int, n_tokens: int, flush_blocks: int = 1,
+               rotate: bool = False):
     from kiviq.engine.kivi_cache import KiviSequenceCache, make_store
     from kiviq.engine.kv_store import KVConfig
 
-    store = make_store(model, KVConfig(bits, group_size, residual, flush_blocks), max_sequences=1,
+    store = make_store(model, KVConfig(bits, group_size, residual, flush_blocks, rotate=rotate), max_sequences=1,
                        context=n_tokens + group_size)
     return KiviSequenceCache(store)
+
+
+def kv_name(bits: int, rotate: bool) -> str:
+    """The ``--kv-bits`` name: '2r' for rotated 2-bit."""
+    return f"{bits}{'r' if rotate else ''}"
+
+
+def store_bytes(store, length: int = 8192) -> tuple[float, float]:
+    """(block bytes per token per layer, x fp16 for one ``length``-token sequence):
+    the sequence's blocks plus an fp16 tail slot of R + k*G tokens, as
+    benchmarks/kv_memory.py counts it, over ``length`` fp16 tokens."""
+    cfg, pool = store.config, store.pools[0]
+    layers, h_kv, d = store.num_layers, pool.tail_k.shape[1], pool.tail_k.shape[3]
+    per_token = store.blocks.block_bytes / (cfg.group_size * layers)
+    fp16 = 2 * h_kv * d * 2
+    tail_rows = cfg.residual + cfg.flush_tokens
+    total = store.blocks.blocks_needed(length) * cfg.group_size * per_token + tail_rows * fp16
+    return per_token, total / (length * fp16)
 
 
 def ppl(nll: np.ndarray) -> float:
@@ -139,7 +166,7 @@ def ppl(nll: np.ndarray) -> float:
 def perplexity_section(model, tokenizer, args) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kiviq.engine.kivi_cache import AttentionHook
+    from kiviq.engine.kivi_cache import AttentionHook, attention_shape
 
     tokens = load_text_tokens(tokenizer, args.tokens)
     print(f"\n## Perplexity: {len(tokens)} tokens of {DATA.name}, chunks of {args.chunk}\n", flush=True)
@@ -160,32 +187,38 @@ def perplexity_section(model, tokenizer, args) -> None:
               f"ppl {fp:.4f} vs {ppl(full_nll):.4f}", flush=True)
         del ref_logits
         assert diff < 1e-2, "chunked fp cache disagrees with the full forward"
-    rows.append(["fp (mlx-lm KVCache, float32)", "-", "-", f"{fp:.3f}", "-", "-"])
+    _, n_kv, head_dim = attention_shape(model)
+    rows.append(["fp (mlx-lm KVCache, float32)", "-", "-", f"{fp:.4f}", "-", "-", 2 * n_kv * head_dim * 2, "1"])
 
-    configs = [(b, args.group_size, args.residual, k) for k in args.flush_blocks for b in args.bits]
-    configs += [(b, g, r, 1) for b, g, r in args.variants]
+    configs = [(b, rot, args.group_size, args.residual, k) for k in args.flush_blocks for b, rot in args.bits]
+    configs += [(b, rot, g, r, 1) for b, rot, g, r in args.variants]
     if args.check:
         # Nothing is ever quantized when the tail holds the whole text: must be fp.
         r_all = -(-len(tokens) // args.group_size) * args.group_size
-        configs.insert(0, (4, args.group_size, r_all, 1))
-    for bits, g, r, k in configs:
+        configs.insert(0, (4, False, args.group_size, r_all, 1))
+        if any(rot for _, rot, *_ in configs):  # the rotation alone changes nothing either
+            configs.insert(1, (2, True, args.group_size, r_all, 1))
+    for bits, rotate, g, r, k in configs:
         t0 = time.perf_counter()
-        cache = kivi_cache(model, bits, g, r, len(tokens), k)
+        cache = kivi_cache(model, bits, g, r, len(tokens), k, rotate)
         with AttentionHook(model):  # the KIVI caches attend only through the hook
             nll, _ = chunked_nll(model, cache, tokens, args.chunk)
         quantized = cache.store.blocks.blocks_needed(len(tokens)) * g
+        per_token, ratio = store_bytes(cache.store)
         cache.release()
         p = ppl(nll)
-        label = f"KIVI {bits}-bit" + (f", {k} blocks per flush" if k > 1 else "")
+        label = f"KIVI {kv_name(bits, rotate)}" + (f", {k} blocks per flush" if k > 1 else "")
         label += " (sanity: R >= text, nothing quantized)" if r >= len(tokens) else ""
         print(f"  {label} G={g} R={r}: ppl {p:.4f} ({100 * (p / fp - 1):+.2f}%), "
-              f"{quantized} of {len(tokens)} tokens quantized at the end ({time.perf_counter() - t0:.0f} s)",
-              flush=True)
+              f"{quantized} of {len(tokens)} tokens quantized at the end, {per_token:g} B/token/layer, "
+              f"{ratio:.4f}x fp16 at 8192 tokens ({time.perf_counter() - t0:.0f} s)", flush=True)
         if r >= len(tokens):
             assert abs(p / fp - 1) < 1e-3, "KIVI cache with nothing quantized should equal fp"
-        rows.append([label, g, r, f"{p:.3f}", f"{100 * (p / fp - 1):+.2f}%", f"{float(np.mean(nll - fp_nll)):+.4f}"])
+        rows.append([label, g, r, f"{p:.4f}", f"{100 * (p / fp - 1):+.2f}%", f"{float(np.mean(nll - fp_nll)):+.4f}",
+                     f"{per_token:g}", f"{ratio:.4f}" if r < len(tokens) else "-"])
     print()
-    print(table(["cache", "G", "R", "perplexity", "vs fp", "mean NLL - fp (nats)"], rows))
+    print(table(["cache (--kv-bits)", "G", "R", "perplexity", "vs fp", "mean NLL - fp (nats)",
+                 "block bytes/token/layer", "x fp16, 8192-token sequence with its tail"], rows))
 
 
 def prompt_tokens(tokenizer, n: int) -> list[list[int]]:
@@ -197,14 +230,14 @@ def prompt_tokens(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
-def generate_all(model, tokenizer, prompts: list[list[int]], kv_bits: int, residual: int, args
-                 ) -> list[tuple[list[int], str]]:
+def generate_all(model, tokenizer, prompts: list[list[int]], kv_bits: int, residual: int, args,
+                 rotate: bool = False) -> list[tuple[list[int], str]]:
     """Greedy generations (tokens, finish reason) for every prompt, in prompt order."""
     from kiviq.engine import Request, build_engine
 
     kwargs = {}
     if kv_bits != 16:
-        kwargs = dict(kv_group_size=args.group_size, kv_residual=residual,
+        kwargs = dict(kv_group_size=args.group_size, kv_residual=residual, kv_rotate=rotate,
                       max_sequences=args.max_batch or len(prompts), kv_memory=args.kv_memory)
     engine = build_engine(model, tokenizer, kv_bits=kv_bits, **kwargs)
     results: dict[str, tuple[list[int], str | None]] = {}
@@ -240,20 +273,20 @@ def greedy_section(model, tokenizer, args) -> None:
     g, r = args.group_size, args.residual
     print(f"\n## Greedy agreement: {len(prompts)} prompts x {args.max_tokens} new tokens "
           f"(G={g}, R={r})\n", flush=True)
-    # (label, kv_bits, residual); fp = the serial engine on mlx-lm's cache.
-    configs = [(f"KIVI {b}-bit", b, r) for b in args.bits]
+    # (label, kv_bits, rotate, residual); fp = the serial engine on mlx-lm's cache.
+    configs = [(f"KIVI {kv_name(b, rot)}", b, rot, r) for b, rot in args.bits]
     if args.check:
         # A tail longer than prompt + generation: nothing is quantized, so any
         # divergence here is the batching engine's rounding, not KIVI's.
         r_all = -(-(max(len(p) for p in prompts) + args.max_tokens) // g) * g
-        configs.append((f"KIVI 4-bit, R={r_all} (nothing quantized)", 4, r_all))
+        configs.append((f"KIVI 4, R={r_all} (nothing quantized)", 4, False, r_all))
     fp_t0 = time.perf_counter()
     fp = generate_all(model, tokenizer, prompts, 16, r, args)
     print(f"  fp: {sum(len(t) for t, _ in fp)} tokens in {time.perf_counter() - fp_t0:.0f} s", flush=True)
     runs = []
-    for label, bits, res in configs:
+    for label, bits, rotate, res in configs:
         t0 = time.perf_counter()
-        runs.append(generate_all(model, tokenizer, prompts, bits, res, args))
+        runs.append(generate_all(model, tokenizer, prompts, bits, res, args, rotate))
         print(f"  {label}: {sum(len(t) for t, _ in runs[-1])} tokens in {time.perf_counter() - t0:.0f} s",
               flush=True)
     per_prompt = []
@@ -264,9 +297,9 @@ def greedy_section(model, tokenizer, args) -> None:
         row += [first_divergence(fp[i], run[i], args.max_tokens) for run in runs]
         per_prompt.append(row)
     print(table(["prompt", "prompt tokens", "fp tokens (end)", "first token reading a block"]
-                + [f"{label}: first divergence" for label, _, _ in configs], per_prompt))
+                + [f"{label}: first divergence" for label, *_ in configs], per_prompt))
     summary = []
-    for j, (label, _, _) in enumerate(configs):
+    for j, (label, *_) in enumerate(configs):
         divs = [row[4 + j] for row in per_prompt]
         identical = sum(1 for i in range(len(prompts)) if runs[j][i] == fp[i])
         summary.append([label, f"{np.mean(divs):.1f}", min(divs), f"{np.median(divs):g}",
@@ -278,28 +311,42 @@ def greedy_section(model, tokenizer, args) -> None:
 
         data = {"prompts": PROMPTS[:len(prompts)], "prompt_tokens": prompts,
                 "fp": [{"tokens": t, "end": e} for t, e in fp]}
-        for (label, _, _), run in zip(configs, runs):
+        for (label, *_), run in zip(configs, runs):
             data[label] = [{"tokens": t, "end": e} for t, e in run]
         Path(args.save).write_text(json.dumps(data))
         print(f"\n  generations saved to {args.save}")
 
 
-def parse_variant(text: str) -> tuple[int, int, int]:
-    bits, g, r = (int(x) for x in text.split("/"))
-    return bits, g, r
+def parse_bits(text: str) -> tuple[int, bool]:
+    """A KIVI ``--kv-bits`` name (2, 2r, 4, 8) -> (bits, rotate)."""
+    from kiviq.engine.config import parse_kv_bits
+
+    try:
+        bits, rotate = parse_kv_bits(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if bits == 16:
+        raise argparse.ArgumentTypeError("16 is the fp row, always run; give KIVI bits (2, 2r, 4, 8)")
+    return bits, rotate
+
+
+def parse_variant(text: str) -> tuple[int, bool, int, int]:
+    bits, g, r = text.split("/")
+    return (*parse_bits(bits), int(g), int(r))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=4096, help="perplexity: tokens of text")
     ap.add_argument("--chunk", type=int, default=32, help="perplexity: tokens per forward (1 = decode path)")
-    ap.add_argument("--bits", type=int, nargs="+", default=[8, 4, 2])
+    ap.add_argument("--bits", type=parse_bits, nargs="+", default=[(8, False), (4, False), (2, False), (2, True)],
+                    metavar="BITS", help="KIVI rows, as --kv-bits names them (default: 8 4 2 2r)")
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--residual", type=int, default=128)
     ap.add_argument("--flush-blocks", type=int, nargs="+", default=[1],
                     help="perplexity: KVConfig.flush_blocks values to run at --group-size/--residual")
-    ap.add_argument("--variants", type=parse_variant, nargs="*", default=[(2, 32, 256), (2, 16, 128)],
-                    metavar="BITS/G/R", help="extra perplexity configs (default: 2/32/256 2/16/128)")
+    ap.add_argument("--variants", type=parse_variant, nargs="*", default=[(2, False, 32, 256), (2, False, 16, 128)],
+                    metavar="BITS/G/R", help="extra perplexity configs, BITS as in --bits (default: 2/32/256 2/16/128)")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"greedy: prompts (max {len(PROMPTS)})")
     ap.add_argument("--max-tokens", type=int, default=256, help="greedy: new tokens per prompt")
     ap.add_argument("--max-batch", type=int, default=0, help="greedy: KIVI sequences at once (0: all prompts)")

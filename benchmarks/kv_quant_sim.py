@@ -15,7 +15,8 @@ in place as tokens leave the residual window, by the store's rules:
     tail) and to its own fresh tokens; the chunk is committed and flushed afterwards.
 
 So with G_k = G_v = G and nothing else the simulation is the real store's arithmetic
-(``--check-real`` runs the real store too and compares).
+(``--check-real`` runs the real store too and compares: the plain settings, and
+``rot-kv``, which the store implements as ``--kv-bits 2r``).
 
 Options on top of plain KIVI (each a row):
   * rotation (``rot``): K and/or V multiplied by an orthogonal Hadamard matrix along
@@ -91,6 +92,7 @@ class Setting:
 
 
 SETTINGS = {
+    "kivi4": Setting("KIVI 4-bit G=32 R=128", bits=4),
     "kivi": Setting("KIVI G=32 R=128"),
     "kivi-r256": Setting("KIVI G=32 R=256", residual=256),
     "kivi-g16": Setting("KIVI G=16 R=128 (keys and values)", key_group=16, value_group=16),
@@ -213,7 +215,8 @@ def main() -> None:
     ap.add_argument("--settings", nargs="+", default=DEFAULT, choices=sorted(SETTINGS), metavar="NAME",
                     help=f"rows to run (default: {' '.join(DEFAULT)}; all: {' '.join(SETTINGS)})")
     ap.add_argument("--check-real", action="store_true",
-                    help="also run the real store (kv_quality.py's path) at plain KIVI settings and compare")
+                    help="also run the real store (kv_quality.py's path) at the settings it implements (plain "
+                         "KIVI, rot-kv = --kv-bits 2r) and compare")
     ap.add_argument("--target-ratio", type=float, default=0.21,
                     help="bytes target, x fp16, for a --target-length-token sequence")
     ap.add_argument("--target-length", type=int, default=8192,
@@ -266,10 +269,12 @@ def main() -> None:
         real_rows = []
         for key in args.settings:
             s = SETTINGS[key]
-            if (s.rotate_k or s.rotate_v or s.outliers or s.layer_bits or s.key_group != s.value_group):
+            # The store rotates K and V together, by the plain matrix (KVConfig.rotate).
+            rotate = s.rotate_k and s.rotate_v and s.seed is None
+            if (s.rotate_k or s.rotate_v) and not rotate or s.outliers or s.layer_bits or s.key_group != s.value_group:
                 continue
             t0 = time.perf_counter()
-            cache = kivi_cache(model, s.bits, s.key_group, s.residual, len(tokens))
+            cache = kivi_cache(model, s.bits, s.key_group, s.residual, len(tokens), rotate=rotate)
             with AttentionHook(model):
                 nll, _ = chunked_nll(model, cache, tokens, args.chunk)
             cache.release()

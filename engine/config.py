@@ -8,6 +8,21 @@ from dataclasses import dataclass
 from kiviq.kernels.layout import check_layout
 
 KV_BITS_CHOICES = (2, 4, 8, 16)  # 16 = mlx-lm's plain fp16 cache
+# The worker's --kv-bits values: "2r" is 2-bit with K and V Hadamard-rotated (kv_rotate).
+KV_BITS_NAMES = ("2", "2r", "4", "8", "16")
+
+
+def parse_kv_bits(text: str) -> tuple[int, bool]:
+    """A ``--kv-bits`` value -> (kv_bits, kv_rotate): '2r' -> (2, True), '4' -> (4, False).
+
+    Raises:
+        ValueError: not one of KV_BITS_NAMES.
+    """
+    name = str(text).strip().lower()
+    if name not in KV_BITS_NAMES:
+        raise ValueError(f"kv_bits must be one of {', '.join(KV_BITS_NAMES)} (2r: 2-bit with K and V "
+                         f"Hadamard-rotated), got {text!r}")
+    return int(name.rstrip("r")), name.endswith("r")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +44,11 @@ class KVConfig:
     group_size: int = 32
     residual: int = 128
     flush_blocks: int = 1
+    # The cache lives in a rotated basis: K and V (and q) are multiplied by the
+    # normalized Hadamard matrix along head_dim before anything is stored, and
+    # the attention output is rotated back (engine.kivi_cache, kernels.rotation).
+    # Pools, flushes and kernels are those of `bits`; only the values differ.
+    rotate: bool = False
 
     def __post_init__(self):
         check_layout(self.bits, self.group_size)
@@ -42,6 +62,11 @@ class KVConfig:
         """Tokens one flush quantizes: k * G."""
         return self.flush_blocks * self.group_size
 
+    @property
+    def label(self) -> str:
+        """The bit width as ``--kv-bits`` names it: '2r' for rotated 2-bit, else the bits."""
+        return f"{self.bits}{'r' if self.rotate else ''}"
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -49,6 +74,9 @@ class EngineConfig:
 
     Args:
         kv_bits: 2, 4 or 8 for KIVI; 16 for a plain fp16 cache (serial engine).
+        kv_rotate: with kv_bits=2, Hadamard-rotate K and V along head_dim before
+            quantization (``--kv-bits 2r``; see KVConfig.rotate and
+            ``parse_kv_bits``). Needs a power-of-two head_dim.
         kv_group_size: G, tokens (keys) or channels (values) per quantization group.
         kv_residual: R, the fp16 window of most recent tokens (a multiple of G).
         kv_flush_blocks: k, blocks quantized per flush (see KVConfig).
@@ -66,6 +94,7 @@ class EngineConfig:
     """
 
     kv_bits: int = 4
+    kv_rotate: bool = False
     kv_group_size: int = 32
     kv_residual: int = 128
     kv_flush_blocks: int = 1
@@ -80,6 +109,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.kv_bits not in KV_BITS_CHOICES:
             raise ValueError(f"kv_bits must be one of {KV_BITS_CHOICES}, got {self.kv_bits}")
+        if self.kv_rotate not in (False, True):
+            raise ValueError(f"kv_rotate must be a bool, got {self.kv_rotate!r}")
+        if self.kv_rotate and self.kv_bits != 2:
+            raise ValueError(f"kv_rotate (kv_bits 2r) is a 2-bit setting, got kv_bits={self.kv_bits}")
         if self.kv_group_size < 1:
             raise ValueError(f"kv_group_size must be >= 1, got {self.kv_group_size}")
         if self.kv_residual < self.kv_group_size or self.kv_residual % self.kv_group_size:
@@ -104,4 +137,10 @@ class EngineConfig:
     @property
     def kv(self) -> KVConfig:
         """The KIVI parameters (KIVI configurations only)."""
-        return KVConfig(self.kv_bits, self.kv_group_size, self.kv_residual, self.kv_flush_blocks)
+        return KVConfig(self.kv_bits, self.kv_group_size, self.kv_residual, self.kv_flush_blocks,
+                        rotate=self.kv_rotate)
+
+    @property
+    def kv_label(self) -> str:
+        """The cache as ``--kv-bits`` names it: '2', '2r', '4', '8' or '16'."""
+        return f"{self.kv_bits}{'r' if self.kv_rotate else ''}"

@@ -70,9 +70,25 @@ class KiviLayerCache:
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
         """Attention for this layer; commits keys/values [B, H_kv, L, D].
 
+        A rotated store (``KVConfig.rotate``, ``--kv-bits 2r``) lives in the Hadamard
+        basis: q, k and v are rotated along D on entry (``KiviStore.rotation``),
+        every path below (decode, prefill chunks) stores and attends to rotated rows
+        only, and the output is rotated back. H is orthogonal and symmetric, so q.k
+        and softmax(qK^T) V H H are unchanged in exact arithmetic, and pools,
+        flushes and kernels need no change: they quantize and read whatever rows
+        they are given.
+
         Returns:
             [B, H_q, L, D].
         """
+        rotate = self.store.rotation
+        if rotate is not None:
+            q, k, v = (rotate(x) for x in (queries, keys, values))
+            return rotate(self._attend(q, k, v, scale))
+        return self._attend(queries, keys, values, scale)
+
+    def _attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+        """``attend`` in the store's basis."""
         self._pending = None
         b, _, length, _ = queries.shape
         if length == 1:

@@ -39,6 +39,7 @@ from kiviq.kernels import (
     tokens_to_blocks,
 )
 from kiviq.kernels.dispatch import attend_plan, flush_layers, writes_tail
+from kiviq.kernels.rotation import check_rotation, hadamard_rotate
 
 __all__ = ["DecodeBatch", "KVConfig", "KiviStore", "OutOfKVMemory", "PrefillBatch", "SequenceKV"]
 
@@ -106,6 +107,13 @@ class KiviStore:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, config: KVConfig,
                  num_blocks: int, num_slots: int, dtype: mx.Dtype = mx.float16, use_kernel: bool | None = None):
         check_layout(config.bits, config.group_size, head_dim)
+        if config.rotate:
+            check_rotation(head_dim)
+        # The map from the model's basis into the pools' (None: the same basis); its
+        # own inverse. Rotated pools hold K H and V H (KVConfig.rotate): the store
+        # writes, flushes and attends over them like any others, and its callers
+        # (KiviLayerCache.attend) rotate q, k and v on the way in and the output out.
+        self.rotation = hadamard_rotate if config.rotate else None
         self.config = config
         self.num_layers = num_layers
         self.dtype = dtype

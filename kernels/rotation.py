@@ -12,6 +12,11 @@ The matrix is the normalized Sylvester-Hadamard matrix H_n / sqrt(n) (n a power 
 two; entries +-1/sqrt(n)), optionally with its rows multiplied by a fixed random
 +-1 sign per channel (``seed``): diag(s) @ H is orthogonal too, and breaks the
 Hadamard pattern's alignment with structured channels.
+
+The store (``--kv-bits 2r``: ``KVConfig.rotate``) uses the plain normalized matrix
+through ``hadamard_rotate``: one ``mx.hadamard_transform`` op per tensor, no
+constant. H = H.T = H^-1, so the same call rotates into the cache's basis and back
+out of it. The simulation's ``rotate`` / ``unrotate`` keep their float32 matmuls.
 """
 
 from __future__ import annotations
@@ -50,3 +55,32 @@ def rotate(x: mx.array, m: mx.array) -> mx.array:
 def unrotate(x: mx.array, m: mx.array) -> mx.array:
     """Inverse of `rotate` for an orthogonal m: x @ m.T, in float32."""
     return x.astype(mx.float32) @ m.T
+
+
+def check_rotation(head_dim: int) -> None:
+    """Raise ValueError unless ``hadamard_rotate`` applies to rows of ``head_dim``.
+
+    Only powers of two: ``mx.hadamard_transform`` also takes 12, 20 or 28 times a
+    power of two, but those matrices are not symmetric, so the transform would not
+    be its own inverse.
+    """
+    if head_dim < 2 or head_dim & (head_dim - 1) or head_dim > 8192:
+        raise ValueError(f"the Hadamard rotation of K and V (kv_bits 2r) needs a power-of-two head_dim "
+                         f"(2 .. 8192), got {head_dim}")
+
+
+def hadamard_rotate(x: mx.array) -> mx.array:
+    """x [..., n] -> x @ H, H = ``hadamard(n)`` (normalized Sylvester, symmetric,
+    orthogonal), along the last axis, in x's dtype: one ``mx.hadamard_transform``.
+
+    Its own inverse: ``hadamard_rotate(hadamard_rotate(x)) == x`` up to rounding.
+    Rounding against float32 math, measured (MLX 0.32.4, n = 64..256, error per
+    element over the row's RMS, u = unit roundoff of x's dtype): float32 input mean
+    1.0 u, max 8 u (a float32 matmul with the matrix: mean 2-4 u, max 22-52 u);
+    fp16/bf16 on the CPU backend, which adds in x's dtype stage by stage, mean 1.0 u,
+    max 10 u (one final rounding: mean 0.3 u, max 3.7 u). MLX's CUDA and Metal
+    kernels add in float32 and round once (read in MLX's source; not measured
+    here). Either way far below the 2-bit quantization error the rotation is there
+    to shrink; a float32 matmul would be no more exact and is as many ops.
+    """
+    return mx.hadamard_transform(x)

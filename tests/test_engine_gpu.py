@@ -43,18 +43,33 @@ def generate(model, tok, requests, *, bits, join_every=0, table_width_multiple=1
     return out
 
 
-@pytest.mark.parametrize("bits", [4, 2])
-def test_greedy_128_tokens_kernel_equals_reference(gpu_model, bits):
+@pytest.mark.parametrize("bits,rotate", [(4, False), (2, False), (2, True)], ids=["4", "2", "2r"])
+def test_greedy_128_tokens_kernel_equals_reference(gpu_model, bits, rotate):
+    """2r: the kernels read rotated pools (q rotated on entry, the output rotated back
+    in KiviLayerCache.attend), the same launches as at 2 bits."""
     from kiviq.engine import Request
 
     model, tok = gpu_model
     prompt = tok.encode(PROSE)[:600]  # 600 + 128 tokens: blocks flush during decode too
     assert dispatch.backend() in ("cuda", "metal")
-    kernel = generate(model, tok, [Request("k", prompt, 128)], bits=bits)["k"]
+    kernel = generate(model, tok, [Request("k", prompt, 128)], bits=bits, kv_rotate=rotate)["k"]
     assert dispatch.backend(False) == "reference"
-    reference = generate(model, tok, [Request("k", prompt, 128)], bits=bits, use_kernel=False)["k"]
+    reference = generate(model, tok, [Request("k", prompt, 128)], bits=bits, kv_rotate=rotate, use_kernel=False)["k"]
     assert len(kernel) == 128
     assert kernel == reference
+
+
+def test_compiled_pipelined_2r_equals_plain_with_kernel(gpu_model):
+    """2r with the kernels inside the compiled graph (mx.hadamard_transform traced with
+    them): the same tokens as plain steps, requests joining and leaving."""
+    from kiviq.engine import Request
+
+    model, tok = gpu_model
+    ids = tok.encode(PROSE)
+    reqs = lambda: [Request(f"r{i}", ids[i * 97: i * 97 + 200 + 150 * i], 40 + 4 * i) for i in range(6)]  # noqa: E731
+    plain = generate(model, tok, reqs(), bits=2, kv_rotate=True, join_every=3)
+    assert generate(model, tok, reqs(), bits=2, kv_rotate=True, join_every=3, compile_decode=True,
+                    pipeline=True) == plain
 
 
 def test_batch_equals_single_with_kernel(gpu_model):
@@ -140,3 +155,72 @@ def test_flat_quantized_matmuls_give_the_same_tokens_with_kernel(gpu_model):
         if restored:
             flatten_quantized_matmuls(model)
     assert flat == plain
+
+
+# ---- 2r: rotated pools ----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_rotated_store_with_kernels_matches_reference(dtype, d):
+    """A 2r store (KVConfig.rotate) through KiviLayerCache.attend, kernels vs the
+    reference: prefill, then decode steps across flushes. The kernels see rotated
+    pools and a rotated q, nothing else: the pools stay bit-identical (flush kernel
+    contract; the same rotation op on the same rows), and the outputs, rotated back
+    by the same orthogonal op, agree within the kernels' stated rounding (row RMS:
+    the rotation keeps 2-norms, not maxima)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from kiviq.engine.kivi_cache import KiviLayerCache
+    from kiviq.engine.kv_store import KiviStore, KVConfig
+    from kiviq.kernels.layout import KiviPool
+
+    dtype, R = getattr(mx, dtype), 128
+    # The stated contract of tests/test_kernels_gpu.py: 1 output ulp + 6 u max|v|.
+    out_tol = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}[dtype]
+    u = {mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}[dtype]
+
+    def to_np(a):
+        return np.array(a.astype(mx.float32))
+
+    rng = np.random.default_rng(d + (dtype == mx.bfloat16))
+    h_kv, h_q, scale = 2, 8, d**-0.5
+    stores = [KiviStore(1, h_kv, d, config=KVConfig(2, 32, R, rotate=True), num_blocks=32, num_slots=3,
+                        dtype=dtype, use_kernel=use) for use in (None, False)]
+    seqs = [[s.blocks.allocate() for _ in range(2)] for s in stores]
+
+    def rows(b, n):
+        x = rng.normal(size=(b, h_kv, n, d)).astype(np.float32)
+        x[..., 3] *= 15  # an outlier channel, as real keys have
+        return mx.array(x).astype(dtype)
+
+    for i, n in enumerate((R + 50, R - 20)):  # blocks already, and a tail only: both flush below
+        k, v = rows(1, n), rows(1, n)
+        for store, ss in zip(stores, seqs):
+            cache = KiviLayerCache(store, 0, [ss[i]])
+            cache.update_and_fetch(k, v)
+            cache.attend(mx.zeros((1, h_q, n, d), dtype=dtype), k, v, scale)
+    for step in range(2 * 32 + 5):  # both sequences flush during decode
+        q = mx.array(rng.normal(size=(2, h_q, 1, d)).astype(np.float32)).astype(dtype)
+        k, v = rows(2, 1), rows(2, 1)
+        outs = []
+        for store, ss in zip(stores, seqs):
+            cache = KiviLayerCache(store, 0, ss)
+            cache.update_and_fetch(k, v)
+            outs.append(to_np(cache.attend(q, k, v, scale)))
+        got, ref = outs
+        err = np.sqrt(((got - ref) ** 2).mean(-1))
+        rms = np.sqrt((ref**2).mean(-1))
+        vmax = float(np.abs(to_np(stores[1].pools[0].tail_v)).max())
+        bound = 2 * out_tol * rms + 6 * u * vmax + 1e-4
+        assert (err <= bound).all(), (step, err.max(), bound.min())
+    assert all(s.blocks_used[0] >= 1 for s in seqs[0])
+    for name, a, b in zip(KiviPool._fields, stores[0].pools[0], stores[1].pools[0]):
+        if name.startswith("tail"):  # rows past each tail length are never read
+            for s0, s1 in zip(*seqs):
+                t = s0.tail_lens[0]
+                assert np.array_equal(to_np(a[s0.slot, :, :t]), to_np(b[s1.slot, :, :t])), name
+        else:
+            ids0 = [bid for s in seqs[0] for bid in s.block_ids[:s.blocks_used[0]]]
+            ids1 = [bid for s in seqs[1] for bid in s.block_ids[:s.blocks_used[0]]]
+            assert np.array_equal(to_np(a[mx.array(ids0)]), to_np(b[mx.array(ids1)])), name

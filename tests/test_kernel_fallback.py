@@ -115,3 +115,13 @@ def test_worker_flags_and_kiviq_kernels_build_the_config():
         engine_config(args, environ={"KIVIQ_KERNELS": "refrence"})
     with pytest.raises(SystemExit, match="kv_residual"):
         engine_config(build_parser().parse_args(["--kv-residual", "40"]), environ={})
+
+
+def test_2r_self_checks_the_2bit_kernels(monkeypatch):
+    """--kv-bits 2r reads 2-bit pools through the 2-bit kernels (rotated rows are just
+    data to them), so its self-check runs at bits=2."""
+    calls = fake_self_check(monkeypatch, None)
+    engine = build_engine(tiny_model(), IdTokenizer(), **{**OPTIONS, "kv_bits": 2, "kv_rotate": True})
+    assert [c["bits"] for c in calls] == [2]
+    assert engine.kv_store.config.bits == 2 and engine.kv_store.rotation is not None
+    assert all(len(t) == 24 for t in run_engine(engine, requests()).values())

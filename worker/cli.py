@@ -17,7 +17,7 @@ from kiviq.jobs.settings import DEFAULT_REDIS_URL, redact_url, redis_url_from_en
 from kiviq.worker.blas import reexec_with_openblas
 
 # EngineConfig fields -> the flags that set them, so a config error names the flag
-CONFIG_FLAGS = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size", "kv_residual": "--kv-residual",
+CONFIG_FLAGS = {"kv_bits": "--kv-bits", "kv_rotate": "--kv-bits", "kv_group_size": "--kv-group-size", "kv_residual": "--kv-residual",
                 "kv_flush_blocks": "--kv-flush-blocks", "kv_memory": "--kv-memory",
                 "max_sequences": "--max-active", "max_batch_tokens": "--max-batch-tokens"}
 
@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "beyond it; default: none)")
     w.add_argument("--grace", type=float, default=30.0,
                    help="on SIGTERM, seconds running sequences may finish before being requeued")
-    w.add_argument("--kv-bits", type=int, choices=(2, 4, 8, 16), default=4,
-                   help="KIVI KV-cache bits (16: plain fp16 cache)")
+    w.add_argument("--kv-bits", default="4", metavar="{2,2r,4,8,16}",
+                   help="KIVI KV-cache bits (16: plain fp16 cache; 2r: 2-bit with K and V Hadamard-rotated, "
+                        "much better quality than 2 at the same memory)")
     w.add_argument("--kv-group-size", type=int, default=32, help="KIVI group size G, in tokens")
     w.add_argument("--kv-residual", type=int, default=128, help="KIVI fp16 window R, in tokens (a multiple of G)")
     w.add_argument("--kv-flush-blocks", type=int, default=1,
@@ -91,21 +92,26 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace, environ=os.environ):
     """The EngineConfig of the parsed flags. ``KIVIQ_KERNELS=reference`` (the
     debugging escape hatch) runs the plain-ops reference instead of the kernels."""
-    from kiviq.engine.config import EngineConfig  # loads mlx: after the re-exec
+    from kiviq.engine.config import KV_BITS_NAMES, EngineConfig, parse_kv_bits  # loads mlx: after the re-exec
 
     kernels = environ.get("KIVIQ_KERNELS", "auto").strip().lower()
     if kernels not in ("auto", "reference", ""):
         raise UsageError(f"KIVIQ_KERNELS must be 'reference' or unset, got {kernels!r}")
     try:
+        kv_bits, kv_rotate = parse_kv_bits(args.kv_bits)
+    except ValueError:
+        raise UsageError(f"--kv-bits {args.kv_bits}: must be one of {', '.join(KV_BITS_NAMES)} "
+                         "(2r: 2-bit with K and V Hadamard-rotated)") from None
+    try:
         return EngineConfig(
-            kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_residual=args.kv_residual,
+            kv_bits=kv_bits, kv_rotate=kv_rotate, kv_group_size=args.kv_group_size, kv_residual=args.kv_residual,
             kv_flush_blocks=args.kv_flush_blocks, kv_memory=args.kv_memory, max_sequences=args.max_active,
             max_batch_tokens=args.max_batch_tokens, compile_decode=args.compile_decode,
             pipeline=args.pipeline_decode,
             use_kernel=False if kernels == "reference" else None)
     except ValueError as e:
         words = re.findall(r"\w+", str(e))
-        flags = [CONFIG_FLAGS[w] for w in dict.fromkeys(words) if w in CONFIG_FLAGS]  # in the message's order
+        flags = list(dict.fromkeys(CONFIG_FLAGS[w] for w in words if w in CONFIG_FLAGS))  # in the message's order
         raise UsageError(f"{e}" + (f"; set {' / '.join(flags)}" if flags else "")) from e
 
 

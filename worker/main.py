@@ -46,8 +46,8 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
         The number of jobs that ended.
 
     Raises:
-        StartupError: Redis does not answer, the metrics port is taken, or the
-            model cannot be loaded.
+        StartupError: Redis does not answer, the metrics port is taken, the
+            model cannot be loaded, or the KV flags do not fit it.
     """
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from kiviq.engine import build_engine, load  # heavy: mlx, mlx-lm
@@ -77,11 +77,15 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
                            status=2) from e
     except RuntimeError as e:  # a repo id that would not load: network, or no such repo
         raise StartupError(f"--model: {e}") from e
-    engine = build_engine(lm, tokenizer, config)
+    try:
+        engine = build_engine(lm, tokenizer, config)
+    except ValueError as e:  # the flags do not fit this model: G or 2r vs its head_dim, the KV budget
+        raise StartupError(f"{e}; check --kv-bits / --kv-group-size / --kv-memory for this model", status=2) from e
     c = getattr(engine, "config", None) or config  # the serial engine keeps none
     compiled = getattr(getattr(engine, "runner", None), "compiled", None) is not None  # on a GPU by default
+    rotated = " with K and V Hadamard-rotated (2r)" if c.kv_rotate else ""
     log.info("KV cache: %s", "fp16" if c.kv_bits == 16 else
-             f"KIVI {c.kv_bits}-bit, G={c.kv_group_size}, R={c.kv_residual}, {c.kv_flush_blocks} block(s) per flush, "
+             f"KIVI {c.kv_bits}-bit{rotated}, G={c.kv_group_size}, R={c.kv_residual}, {c.kv_flush_blocks} block(s) per flush, "
              + ("reference attention" if c.use_kernel is False else "kernels where they run")
              + (", decode steps compiled" if compiled else "") + (", decode steps pipelined" if c.pipeline else "")
              + (f", {c.max_batch_tokens} tokens per step" if c.max_batch_tokens else ""))
