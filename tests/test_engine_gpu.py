@@ -67,7 +67,7 @@ def test_compiled_pipelined_2r_equals_plain_with_kernel(gpu_model):
     model, tok = gpu_model
     ids = tok.encode(PROSE)
     reqs = lambda: [Request(f"r{i}", ids[i * 97: i * 97 + 200 + 150 * i], 40 + 4 * i) for i in range(6)]  # noqa: E731
-    plain = generate(model, tok, reqs(), bits=2, kv_rotate=True, join_every=3)
+    plain = generate(model, tok, reqs(), bits=2, kv_rotate=True, join_every=3, compile_decode=False, pipeline=False)
     assert generate(model, tok, reqs(), bits=2, kv_rotate=True, join_every=3, compile_decode=True,
                     pipeline=True) == plain
 
@@ -92,12 +92,15 @@ def test_compiled_pipelined_decode_equals_plain_with_kernel(gpu_model):
     model, tok = gpu_model
     ids = tok.encode(PROSE)
     reqs = lambda: [Request(f"r{i}", ids[i * 97: i * 97 + 200 + 150 * i], 40 + 4 * i) for i in range(8)]
-    plain = generate(model, tok, reqs(), bits=4, join_every=3)
+    plain = generate(model, tok, reqs(), bits=4, join_every=3, compile_decode=False, pipeline=False)
     assert generate(model, tok, reqs(), bits=4, join_every=3, compile_decode=True, pipeline=True) == plain
-    # Block tables padded to 32 columns (a retrace every 1024 tokens instead of every G):
-    # more, empty splits in the kernel's plan. The same tokens here: with SmolLM2's 3 kv
-    # heads and at most 8 sequences the plan wants up to 264 splits per (sequence, head),
-    # more than any table here has blocks, so every split is one block either way.
+    # Block tables padded to 32 columns (the worker's: a retrace every 1024 tokens
+    # instead of every G) change the kernel's plan: more, empty splits, so the merge
+    # sums in another order, and tokens may differ from the unpadded run's in the end
+    # (seen on an H200: r7, 1.2k tokens, after ~30). Compiled and pipelined equal
+    # plain at that width too.
+    plain = generate(model, tok, reqs(), bits=4, join_every=3, compile_decode=False, pipeline=False,
+                     table_width_multiple=32)
     assert generate(model, tok, reqs(), bits=4, join_every=3, compile_decode=True, pipeline=True,
                     table_width_multiple=32) == plain
 
