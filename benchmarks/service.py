@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=2, help="runs through the service (1: cold, then warm)")
     p.add_argument("--worker-arg", action="append", default=[],
                    help="passed to `kiviq worker` (repeatable, split like a shell: --worker-arg='--max-active 64')")
+    p.add_argument("--client-procs", type=int, default=None,
+                   help="client processes the jobs are split over (default: 1 on up to 7 cores, else up to 4)")
     p.add_argument("--no-raw", action="store_true", help="skip the raw engine (and the service == raw check)")
     p.add_argument("--redis", choices=("auto", "embedded"), default="auto",
                    help="auto: a redis-server binary (--redis-server, else PATH); embedded: the fakeredis server")
@@ -133,7 +135,7 @@ def run_service(args, wargs: list[str], model: dict, prompts: list[list[str]], o
             print(f"worker log: {line}", flush=True)
         records = []
         for run, run_prompts in enumerate(prompts):
-            recs, wall = service_run(redis.url, run_prompts, args.gen, args.job_timeout)
+            recs, wall = service_run(redis.url, run_prompts, args.gen, args.job_timeout, out["client_procs"])
             if not worker.alive():
                 raise SystemExit(f"the worker died during run {run + 1}:\n{worker.log()[-4000:]}")
             records.append(recs)
@@ -188,8 +190,9 @@ def run_raw(args, wargs: list[str], model: dict, tokenizer, prompts: list[list[s
 def benchmark(args: argparse.Namespace) -> dict:
     """Run everything; returns the results (``checks`` says whether they hold)."""
     wargs = worker_args(args)
+    procs = args.client_procs or max(1, min(4, args.jobs, (os.cpu_count() or 1) // 4))
     out: dict = dict(workload=dict(jobs=args.jobs, prompt_tokens=args.prompt_tokens, gen=args.gen, runs=args.runs),
-                     worker_args=wargs)
+                     worker_args=wargs, client_procs=procs)
     model = resolve_model(args)
     out.update(model=model["label"], model_dir=str(model["model_dir"]), model_build_s=model["build_s"])
     if model["build_s"]:
@@ -265,8 +268,9 @@ def report(out: dict) -> str:
         if "worker_ttft_p50_s" in s:
             lines.append(f"- service run {s_k + 1}: worker-side TTFT (admitted -> first token) p50 "
                          f"{s['worker_ttft_p50_s']:.3f} s, p99 {s['worker_ttft_p99_s']:.3f} s; queue time p50 "
-                         f"{s['worker_queue_p50_s']:.3f} s; restarts {s['restarts']}; finish reasons "
-                         f"{s['finish_reasons']}")
+                         f"{s['worker_queue_p50_s']:.3f} s; client TTFT - (queue + worker TTFT) p50 "
+                         f"{s['client_extra_ttft_p50_s'] * 1e3:.1f} ms; token events < 1 ms after the previous one "
+                         f"{s['bunched_events']:.0%}; restarts {s['restarts']}; finish reasons {s['finish_reasons']}")
     for name, c in out["checks"].items():
         verdict = "not checked" if not c["checked"] else "ok" if c["ok"] else f"FAILED ({len(c['problems'])})"
         lines.append(f"- check {name}: {verdict}")
@@ -282,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     out["machine"] = machine()
     print()
     print(f"model: {out['model']}; worker args: {' '.join(out['worker_args']) or '(defaults)'}; redis: {out['redis']}; "
-          f"worker registered after {out['worker_ready_s']:.1f} s")
+          f"client processes: {out['client_procs']}; worker registered after {out['worker_ready_s']:.1f} s")
     for line in out.get("warm_up_log", []):
         print(f"worker log: {line}")
     if "engine_config" in out:

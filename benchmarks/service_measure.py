@@ -11,6 +11,8 @@ the number of tokens each carried, and when it was submitted.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -44,15 +46,15 @@ class Record:
 
 # ---------------------------------------------------------------- service
 
-async def _stream_one(client, index: int, prompt: str, gen: int, t0: float, timeout: float) -> Record:
+async def _stream_one(client, index: int, prompt: str, gen: int, timeout: float) -> Record:
     from kiviq.jobs.models import EventType
 
-    rec = Record(index, submitted=time.perf_counter() - t0)
+    rec = Record(index, submitted=time.perf_counter())  # absolute here; service_run makes them relative
     handle = await client.submit(prompt=prompt, max_tokens=gen, temperature=0.0)
     events = handle.events(timeout=timeout)
     try:
         async for event in events:
-            now = time.perf_counter() - t0
+            now = time.perf_counter()
             if event.type == EventType.restarted:  # a requeued job starts over
                 rec.restarts += 1
                 rec.token_ids, rec.arrivals, rec.stream_text = [], [], ""
@@ -77,24 +79,92 @@ async def _stream_one(client, index: int, prompt: str, gen: int, t0: float, time
     return rec
 
 
-async def _service_run(redis_url: str, prompts: list[str], gen: int, timeout: float) -> tuple[list[Record], float]:
+async def _stream_all(redis_url: str, items: list[tuple[int, str]], gen: int, timeout: float,
+                      go=None) -> list[Record]:
+    """Stream every (index, prompt) through one AsyncClient; times are
+    ``time.perf_counter()`` values (the system's monotonic clock, the same in
+    every process), taken from when ``go`` (a multiprocessing Event) is set."""
+    from redis.asyncio import Redis as AsyncRedis
+
     from kiviq.client import AsyncClient
 
-    async with AsyncClient(redis_url) as client:
-        t0 = time.perf_counter()
-        records = await asyncio.gather(*(_stream_one(client, i, p, gen, t0, timeout) for i, p in enumerate(prompts)))
-        return list(records), time.perf_counter() - t0
+    # Each stream holds a pub/sub connection and reads the log on another: redis-py's
+    # async pool (100 connections by default, and it raises rather than waits) is sized to that.
+    connection = AsyncRedis.from_url(redis_url, max_connections=2 * len(items) + 16)
+    try:
+        async with AsyncClient(connection=connection) as client:
+            await connection.ping()
+            if go is not None:
+                await asyncio.to_thread(go.wait)
+            return list(await asyncio.gather(*(_stream_one(client, i, p, gen, timeout) for i, p in items)))
+    finally:
+        await connection.aclose()
 
 
-def service_run(redis_url: str, prompts: list[str], gen: int, timeout: float = 3600.0) -> tuple[list[Record], float]:
-    """Submit every prompt at once (greedy, ``gen`` new tokens) through
-    ``kiviq.AsyncClient`` and stream each job; returns the records and the wall
-    time until the last job's final event arrived. uvloop is used where installed."""
+def _run_loop(coro):
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(_service_run(redis_url, prompts, gen, timeout))
-    return uvloop.run(_service_run(redis_url, prompts, gen, timeout))
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def _client_process(redis_url, items, gen, timeout, ready, go, results) -> None:
+    """One client process of ``service_run``: reports ready, streams its share
+    from ``go`` on, and puts its records (or its error) on ``results``."""
+    try:
+        ready.put(os.getpid())
+        results.put(_run_loop(_stream_all(redis_url, items, gen, timeout, go)))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        results.put(f"{type(e).__name__}: {e}")
+
+
+def service_run(redis_url: str, prompts: list[str], gen: int, timeout: float = 3600.0,
+                processes: int = 1) -> tuple[list[Record], float]:
+    """Submit every prompt at once (greedy, ``gen`` new tokens) through
+    ``kiviq.AsyncClient`` and stream each job; returns the records (times from
+    the run's start) and the wall time until the last job's final event arrived.
+
+    ``processes`` > 1 splits the jobs over that many client processes (each an
+    asyncio loop, uvloop where installed), started before the clock: one
+    Python loop reading 64 streams of a fast GPU falls behind and stamps
+    events late and in bunches."""
+    items = list(enumerate(prompts))
+    if processes <= 1:
+        t0 = time.perf_counter()
+        records = _run_loop(_stream_all(redis_url, items, gen, timeout))
+    else:
+        ctx = mp.get_context("spawn")
+        ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+        shares = [items[k::processes] for k in range(min(processes, len(items)))]
+        procs = [ctx.Process(target=_client_process, args=(redis_url, share, gen, timeout, ready, go, results),
+                             daemon=True) for share in shares]
+        try:
+            for proc in procs:
+                proc.start()
+            for _ in procs:
+                ready.get(timeout=300)
+            time.sleep(0.2)  # let every process reach go.wait()
+            t0 = time.perf_counter()
+            go.set()
+            records = []
+            for _ in procs:
+                got = results.get(timeout=timeout + 60)
+                if isinstance(got, str):
+                    raise CheckFailed(f"a client process failed: {got}")
+                records += got
+        finally:
+            for proc in procs:
+                if proc.pid is not None:  # started
+                    proc.join(timeout=10)
+                    if proc.is_alive():
+                        proc.kill()
+    for r in records:
+        r.submitted -= t0
+        r.finished -= t0
+        r.arrivals = [(t - t0, n) for t, n in r.arrivals]
+    records.sort(key=lambda r: r.index)
+    return records, max(r.finished for r in records)
 
 
 # ---------------------------------------------------------------- raw engine
@@ -136,7 +206,10 @@ def summarize(records: list[Record], wall: float) -> dict:
     its first token's arrival. Inter-token latency: the gap between two token
     events of a request, divided by the tokens the later one carried (one
     sample per token); ``itl_burst`` takes only the gaps that ended before every
-    request had its first token (sequences decoding while prompts prefill)."""
+    request had its first token (sequences decoding while prompts prefill).
+    For the service, ``bunched_events`` is the share of token events that
+    arrived < 1 ms after the previous one of their job: near 0 while the client
+    keeps up with the worker's steps (each step publishes one event per job)."""
     prompt = sum(r.prompt_tokens for r in records)
     generated = sum(len(r.token_ids) for r in records)
     firsts = [r.arrivals[0][0] for r in records if r.arrivals]
@@ -157,10 +230,15 @@ def summarize(records: list[Record], wall: float) -> dict:
                itl_burst_p50_s=_pct(itl_burst, 50), itl_burst_p99_s=_pct(itl_burst, 99), itl_burst_n=len(itl_burst),
                finish_reasons={k: sum(r.finish_reason == k for r in records)
                                for k in sorted({r.finish_reason for r in records})})
-    worker_ttft = [r.worker_ttft for r in records if r.worker_ttft is not None]
-    if worker_ttft:
-        out.update(worker_ttft_p50_s=_pct(worker_ttft, 50), worker_ttft_p99_s=_pct(worker_ttft, 99),
-                   worker_queue_p50_s=_pct([r.worker_queue for r in records], 50),
+    served = [r for r in records if r.worker_ttft is not None and r.arrivals]
+    if served:  # the service: what the worker measured itself, and what the client adds to it
+        gaps = [b[0] - a[0] for r in records for a, b in zip(r.arrivals, r.arrivals[1:])]
+        out.update(worker_ttft_p50_s=_pct([r.worker_ttft for r in served], 50),
+                   worker_ttft_p99_s=_pct([r.worker_ttft for r in served], 99),
+                   worker_queue_p50_s=_pct([r.worker_queue for r in served], 50),
+                   client_extra_ttft_p50_s=_pct([r.arrivals[0][0] - r.submitted - r.worker_queue - r.worker_ttft
+                                                 for r in served], 50),
+                   bunched_events=sum(g < 1e-3 for g in gaps) / len(gaps) if gaps else 0.0,
                    restarts=sum(r.restarts for r in records))
     return out
 
