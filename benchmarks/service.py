@@ -311,8 +311,12 @@ if __name__ == "__main__":
     if env.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the worker and Redis on the way out
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even where started with SIGINT ignored
     try:
         sys.exit(main())
     except CheckFailed as e:
         print(f"CHECK FAILED: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted (the worker and Redis were stopped)", file=sys.stderr)
+        sys.exit(130)

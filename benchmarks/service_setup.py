@@ -25,6 +25,22 @@ MODEL_DIR_VERSION = 1  # bump when the random model's files change
 SHARD_BYTES = 2 << 30
 
 
+def _die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """In a child, before exec: send it ``signum`` when the benchmark dies
+    (Linux's PR_SET_PDEATHSIG; a no-op elsewhere), so a killed benchmark
+    leaves no worker serving and no Redis running."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signum)
+
+
+def _kill_with_parent() -> None:
+    # SIGKILL: a worker told to stop while its Redis goes away too (the Redis
+    # child stops with the benchmark) retries Redis for ever instead of exiting.
+    _die_with_parent(signal.SIGKILL)
+
+
 # ---------------------------------------------------------------- Redis
 
 _REDIS_CHILD = """
@@ -34,11 +50,11 @@ if {embedded!r}:
     os.environ["PATH"] = ""  # start_redis then finds no redis-server binary: the embedded server
 from kiviq.client.local_redis import start_redis
 url, stop, kind = start_redis()
-signal.signal(signal.SIGTERM, lambda *a: sys.stdin.close())
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))  # also sent when the benchmark dies (Linux)
 print(url, kind, flush=True)
 try:
     sys.stdin.read()  # until the parent closes the pipe (or dies)
-except (ValueError, OSError):
+except OSError:
     pass
 finally:
     stop()
@@ -80,7 +96,7 @@ class RedisProcess:
             raise SystemExit(NO_REDIS_SERVER)
         code = _REDIS_CHILD.format(root=str(ROOT), embedded=mode == "embedded")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env, text=True)
+                                     env=env, text=True, preexec_fn=_die_with_parent)
         line = self.proc.stdout.readline().split()
         if len(line) != 2:
             self.stop()
@@ -99,15 +115,6 @@ class RedisProcess:
 
 # ---------------------------------------------------------------- worker
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM it when the benchmark dies (Linux),
-    so a killed benchmark leaves no worker serving."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-
 class WorkerProcess:
     """``python -m kiviq.worker --redis-url URL [--model M] ARGS`` with its output
     in a log file; ``wait_ready`` returns once it has registered with rq (after
@@ -122,7 +129,7 @@ class WorkerProcess:
                *args]
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                     preexec_fn=_kill_with_parent)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -224,6 +231,8 @@ def random_model_dir(shape: str, out: Path, tokenizer_dir: Path, seed: int = 0) 
         if old.get("stamp") == stamp and all((out / f).is_file() for f in old.get("files", [])):
             return out, 0.0
         shutil.rmtree(out)  # a different model (or a broken one): rebuild
+    elif out.exists() and any(out.iterdir()):
+        raise SystemExit(f"--model-dir {out}: exists and holds no model of this benchmark; give an empty or new path")
     start = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
