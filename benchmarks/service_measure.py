@@ -105,8 +105,9 @@ def _run_loop(coro):
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+        uvloop = None
+    run = getattr(uvloop, "run", None)  # uvloop >= 0.18
+    return run(coro) if run is not None else asyncio.run(coro)
 
 
 def _client_process(redis_url, items, gen, timeout, ready, go, results) -> None:

@@ -198,6 +198,8 @@ def random_model_config(shape: str, tokenizer_dir: Path) -> dict:
     size and special token ids."""
     from benchmarks.engine import SHAPES
 
+    if shape not in SHAPES:
+        raise SystemExit(f"--shape {shape}: one of {', '.join(SHAPES)}")
     config = dict(SHAPES[shape], vocab_size=_vocab_size(tokenizer_dir), torch_dtype="bfloat16")
     source = tokenizer_dir / "config.json"
     if source.is_file():
@@ -258,7 +260,7 @@ def random_model_dir(shape: str, out: Path, tokenizer_dir: Path, seed: int = 0) 
             mx.save_safetensors(str(tmp / name), shard, metadata={"format": "mlx"})
             index.update(dict.fromkeys(shard, name))
             files.append(name)
-            shards[i] = None
+            shards[i] = shard = None
             mx.clear_cache()
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=1))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -270,6 +272,7 @@ def random_model_dir(shape: str, out: Path, tokenizer_dir: Path, seed: int = 0) 
         os.rename(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        mx.clear_cache()  # the weights' memory goes back to the device before the worker starts
     return out, time.perf_counter() - start
 
 
