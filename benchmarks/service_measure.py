@@ -46,11 +46,13 @@ class Record:
 
 # ---------------------------------------------------------------- service
 
-async def _stream_one(client, index: int, prompt: str, gen: int, timeout: float) -> Record:
+async def _stream_one(client, index: int, prompt: str, job_id: str | None, gen: int, timeout: float) -> Record:
+    """Submit (or, given ``job_id``, take the queued job) and read its stream;
+    times are ``time.perf_counter()`` values until service_run makes them relative."""
     from kiviq.jobs.models import EventType
 
-    rec = Record(index, submitted=time.perf_counter())  # absolute here; service_run makes them relative
-    handle = await client.submit(prompt=prompt, max_tokens=gen, temperature=0.0)
+    rec = Record(index, submitted=time.perf_counter())
+    handle = client.job(job_id) if job_id else await client.submit(prompt=prompt, max_tokens=gen, temperature=0.0)
     events = handle.events(timeout=timeout)
     try:
         async for event in events:
@@ -79,11 +81,9 @@ async def _stream_one(client, index: int, prompt: str, gen: int, timeout: float)
     return rec
 
 
-async def _stream_all(redis_url: str, items: list[tuple[int, str]], gen: int, timeout: float,
-                      go=None) -> list[Record]:
-    """Stream every (index, prompt) through one AsyncClient; times are
-    ``time.perf_counter()`` values (the system's monotonic clock, the same in
-    every process), taken from when ``go`` (a multiprocessing Event) is set."""
+async def _stream_all(redis_url: str, items: list[tuple], gen: int, timeout: float, ready, go) -> list[Record]:
+    """Stream every (index, prompt, job id or None) through one AsyncClient,
+    once connected (``ready`` gets this process's pid) and ``go`` is set."""
     from redis.asyncio import Redis as AsyncRedis
 
     from kiviq.client import AsyncClient
@@ -94,9 +94,9 @@ async def _stream_all(redis_url: str, items: list[tuple[int, str]], gen: int, ti
     try:
         async with AsyncClient(connection=connection) as client:
             await connection.ping()
-            if go is not None:
-                await asyncio.to_thread(go.wait)
-            return list(await asyncio.gather(*(_stream_one(client, i, p, gen, timeout) for i, p in items)))
+            ready.put(os.getpid())
+            await asyncio.to_thread(go.wait)
+            return list(await asyncio.gather(*(_stream_one(client, *item, gen, timeout) for item in items)))
     finally:
         await connection.aclose()
 
@@ -111,57 +111,71 @@ def _run_loop(coro):
 
 
 def _client_process(redis_url, items, gen, timeout, ready, go, results) -> None:
-    """One client process of ``service_run``: reports ready, streams its share
-    from ``go`` on, and puts its records (or its error) on ``results``."""
+    """One client process of ``service_run``: streams its share from ``go`` on
+    and puts its records (or its error) on ``results``."""
     try:
-        ready.put(os.getpid())
-        results.put(_run_loop(_stream_all(redis_url, items, gen, timeout, go)))
+        results.put(_run_loop(_stream_all(redis_url, items, gen, timeout, ready, go)))
     except BaseException as e:  # noqa: BLE001 - the parent reports it
         results.put(f"{type(e).__name__}: {e}")
 
 
-def service_run(redis_url: str, prompts: list[str], gen: int, timeout: float = 3600.0,
-                processes: int = 1) -> tuple[list[Record], float]:
-    """Submit every prompt at once (greedy, ``gen`` new tokens) through
-    ``kiviq.AsyncClient`` and stream each job; returns the records (times from
+def service_run(redis_url: str, prompts: list[str], gen: int, timeout: float = 3600.0, processes: int = 1,
+                paused=None) -> tuple[list[Record], float]:
+    """Run every prompt (greedy, ``gen`` new tokens) through the service and
+    stream each job with ``kiviq.AsyncClient``; returns the records (times from
     the run's start) and the wall time until the last job's final event arrived.
 
-    ``processes`` > 1 splits the jobs over that many client processes (each an
-    asyncio loop, uvloop where installed), started before the clock: one
-    Python loop reading 64 streams of a fast GPU falls behind and stamps
-    events late and in bunches."""
-    items = list(enumerate(prompts))
-    if processes <= 1:
-        t0 = time.perf_counter()
-        records = _run_loop(_stream_all(redis_url, items, gen, timeout))
-    else:
-        ctx = mp.get_context("spawn")
-        ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-        shares = [items[k::processes] for k in range(min(processes, len(items)))]
+    The jobs are split over ``processes`` client processes (each an asyncio
+    loop, uvloop where installed), started before the clock: one Python loop
+    reading 64 streams of a fast GPU falls behind and stamps events late.
+
+    ``paused`` (the WorkerProcess; the default of benchmarks/service.py):
+    "queued" submission. The worker is stopped (SIGSTOP) while ``kiviq.Client``
+    submits every job in order; the clock starts when it resumes, so it admits
+    them all before its first step, in that order, exactly as the raw engine
+    gets them. None: "live" submission, each client process submits its jobs
+    from the start of the clock while the worker already runs (TTFT counts
+    from each job's submission).
+    """
+    items = [(i, p, None) for i, p in enumerate(prompts)]
+    ctx = mp.get_context("spawn")
+    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = []
+    try:
+        if paused is not None:
+            from kiviq.client import Client
+
+            paused.pause()
+            client = Client(redis_url)
+            items = [(i, p, client.submit(prompt=p, max_tokens=gen, temperature=0.0).job_id) for i, p, _ in items]
+            client.redis.close()
+        shares = [items[k::processes] for k in range(max(1, min(processes, len(items))))]
         procs = [ctx.Process(target=_client_process, args=(redis_url, share, gen, timeout, ready, go, results),
                              daemon=True) for share in shares]
-        try:
-            for proc in procs:
-                proc.start()
-            for _ in procs:
-                ready.get(timeout=300)
-            time.sleep(0.2)  # let every process reach go.wait()
-            t0 = time.perf_counter()
-            go.set()
-            records = []
-            for _ in procs:
-                got = results.get(timeout=timeout + 60)
-                if isinstance(got, str):
-                    raise CheckFailed(f"a client process failed: {got}")
-                records += got
-        finally:
-            for proc in procs:
-                if proc.pid is not None:  # started
-                    proc.join(timeout=10)
-                    if proc.is_alive():
-                        proc.kill()
+        for proc in procs:
+            proc.start()
+        for _ in procs:
+            ready.get(timeout=300)
+        t0 = time.perf_counter()
+        if paused is not None:
+            paused.resume()
+        go.set()
+        records = []
+        for _ in procs:
+            got = results.get(timeout=timeout + 60)
+            if isinstance(got, str):
+                raise CheckFailed(f"a client process failed: {got}")
+            records += got
+    finally:
+        if paused is not None:
+            paused.resume()
+        for proc in procs:
+            if proc.pid is not None:  # started
+                proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.kill()
     for r in records:
-        r.submitted -= t0
+        r.submitted = 0.0 if paused is not None else r.submitted - t0
         r.finished -= t0
         r.arrivals = [(t - t0, n) for t, n in r.arrivals]
     records.sort(key=lambda r: r.index)
@@ -202,7 +216,7 @@ def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def summarize(records: list[Record], wall: float) -> dict:
+def summarize(records: list[Record], wall: float, live: bool = True) -> dict:
     """Throughput and latency of one run. TTFT: from a request's submission to
     its first token's arrival. Inter-token latency: the gap between two token
     events of a request, divided by the tokens the later one carried (one
@@ -210,7 +224,9 @@ def summarize(records: list[Record], wall: float) -> dict:
     request had its first token (sequences decoding while prompts prefill).
     For the service, ``bunched_events`` is the share of token events that
     arrived < 1 ms after the previous one of their job: near 0 while the client
-    keeps up with the worker's steps (each step publishes one event per job)."""
+    keeps up with the worker's steps (each step publishes one event per job);
+    ``client_extra_ttft`` is the client's TTFT less the worker's own (and, for
+    ``live`` submission, less its queue time): publishing, Redis and the client."""
     prompt = sum(r.prompt_tokens for r in records)
     generated = sum(len(r.token_ids) for r in records)
     firsts = [r.arrivals[0][0] for r in records if r.arrivals]
@@ -237,8 +253,8 @@ def summarize(records: list[Record], wall: float) -> dict:
         out.update(worker_ttft_p50_s=_pct([r.worker_ttft for r in served], 50),
                    worker_ttft_p99_s=_pct([r.worker_ttft for r in served], 99),
                    worker_queue_p50_s=_pct([r.worker_queue for r in served], 50),
-                   client_extra_ttft_p50_s=_pct([r.arrivals[0][0] - r.submitted - r.worker_queue - r.worker_ttft
-                                                 for r in served], 50),
+                   client_extra_ttft_p50_s=_pct([r.arrivals[0][0] - r.submitted - r.worker_ttft
+                                                 - (r.worker_queue if live else 0.0) for r in served], 50),
                    bunched_events=sum(g < 1e-3 for g in gaps) / len(gaps) if gaps else 0.0,
                    restarts=sum(r.restarts for r in records))
     return out

@@ -154,8 +154,20 @@ class WorkerProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def pause(self) -> None:
+        """SIGSTOP: the worker takes no job until ``resume`` (benchmarks/service.py
+        queues a whole run meanwhile)."""
+        self.proc.send_signal(signal.SIGSTOP)
+        self._paused = True
+
+    def resume(self) -> None:
+        if getattr(self, "_paused", False) and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+        self._paused = False
+
     def stop(self, timeout: float = 60.0) -> None:
         """SIGTERM (the worker finishes or requeues what runs and exits 0), then SIGKILL."""
+        self.resume()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

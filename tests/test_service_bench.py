@@ -77,7 +77,7 @@ def test_the_benchmark_runs_the_whole_path_and_its_checks_hold(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     for name in ("streams_equal_results", "service_equals_raw"):
-        assert res["checks"][name] == {"ok": True, "checked": True, "problems": []}, name
+        assert res["checks"][name] == {"ok": True, "checked": True, "exact": True, "problems": []}, name
     assert res["redis"] == "redis-server"
     assert len(res["service"]) == len(res["raw"]) == 2
     for run in res["service"] + res["raw"]:
