@@ -19,6 +19,7 @@ from typing import Any
 from redis import Redis
 from redis import connection as sync_connection_module
 from redis.asyncio import Redis as AsyncRedis
+from redis.asyncio import BlockingConnectionPool
 from redis.asyncio import connection as async_connection_module
 
 from kiviq.client.client import Client
@@ -37,6 +38,9 @@ _SYNC_CONNECTION_CLASS = {
 # Connection kwargs that are objects of the async pool itself, or that rq
 # cannot work with (it needs bytes replies).
 _NOT_COPIED = {"decode_responses", "encoding", "encoding_errors"}
+
+
+MAX_CONNECTIONS = 1024  # to one Redis per AsyncClient; Redis itself admits 10,000 clients by default
 
 
 def sync_redis_like(conn: AsyncRedis) -> Redis:
@@ -164,7 +168,11 @@ class AsyncClient:
             self._owns_sync = sync_connection is None
         else:
             url = redis_url_from_env(redis_url)
-            self.redis = AsyncRedis.from_url(url)
+            # Every running stream holds a pub/sub connection: a blocking pool waits
+            # for one to free up where redis-py's default pool raised
+            # MaxConnectionsError past ~100 concurrent streams.
+            self.redis = AsyncRedis.from_pool(BlockingConnectionPool.from_url(
+                url, max_connections=MAX_CONNECTIONS, timeout=None))
             self._owns_redis = True
             sync = sync_connection if sync_connection is not None else Redis.from_url(url)
             self._owns_sync = sync_connection is None

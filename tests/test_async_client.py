@@ -165,3 +165,24 @@ def test_async_matches_sync_end_to_end(worker_process, redis_url):
     assert [e.seq for e in events] == list(range(len(events))) and events[-1].type == EventType.done
     assert r1.token_ids == sync_result.token_ids
     assert 0 < r2.usage.completion_tokens <= 3
+
+
+def test_many_concurrent_streams_share_a_bounded_pool(redis_url, redis_conn):
+    """More streams at once than redis-py's default async pool holds (each stream
+    keeps a pub/sub connection while it runs): all complete, none raises
+    MaxConnectionsError."""
+    n = 160
+    pub = EventPublisher(redis_conn)
+
+    async def main():
+        async with AsyncClient(redis_url) as client:
+            tasks = [asyncio.create_task(collect(aiter_events(client.redis, f"many-{i}", timeout=30)))
+                     for i in range(n)]
+            await asyncio.sleep(0.5)
+            for i in range(n):
+                pub.publish([StreamEvent(job_id=f"many-{i}", seq=0, type=EventType.token, text="x"),
+                             StreamEvent(job_id=f"many-{i}", seq=1, type=EventType.done, finish_reason="stop")])
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(main())
+    assert [len(r) for r in results] == [2] * n
