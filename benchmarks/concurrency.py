@@ -81,7 +81,7 @@ GIB = 1 << 30
 # The engine's defaults (the worker passes neither): admission reserve, tokens per step.
 _ENGINE_DEFAULTS = inspect.signature(Engine.__init__).parameters
 RESERVE_TOKENS = _ENGINE_DEFAULTS["reserve_tokens"].default
-MAX_BATCH_TOKENS = EngineConfig().max_batch_tokens
+MAX_BATCH_TOKENS = GPU_BATCH_TOKENS[1]  # the default on a large GPU (engine.setup.default_batch_tokens)
 WORKER_MAX_ACTIVE = EngineConfig().max_sequences  # `kiviq worker --max-active` default
 TARGETS = {4: 2.8, 2: 4.0}  # issue #5: concurrent 16k sequences vs fp16
 

@@ -88,6 +88,29 @@ def summarize(events: list[dict], steps: int, top: int) -> tuple[str, list[list]
     return head, rows
 
 
+def copy_sites(events: list[dict], steps: int, top: int) -> list[list]:
+    """Where the plain copies run: per (copy kernel, grid x block, the kernels
+    before and after it), us and calls per step. A copy's grid gives its size,
+    its neighbours the op that needed it."""
+    ordered = sorted(events, key=lambda e: e["ts"])
+    dur, calls = collections.Counter(), collections.Counter()
+
+    def short(e):
+        return e["name"].split("(")[0].split("<")[0][-40:]
+
+    for i, e in enumerate(ordered):
+        if "copy" not in e["name"].lower():
+            continue
+        a = e.get("args", {})
+        grid, block = a.get("grid", "?"), a.get("block", "?")
+        before = short(ordered[i - 1]) if i else "-"
+        after = short(ordered[i + 1]) if i + 1 < len(ordered) else "-"
+        key = (e["name"][:60], f"{grid} x {block}", before, after)
+        dur[key] += e["dur"]
+        calls[key] += 1
+    return [[*k, f"{d / steps:.1f}", f"{calls[k] / steps:.1f}"] for k, d in dur.most_common(top)]
+
+
 def print_host_profile(host, steps: int, top: int) -> None:
     """The timed steps' host functions by own time (us per step), then by
     cumulative time: where the Python side of a step goes."""
@@ -434,8 +457,12 @@ def main() -> None:
     if not args.trace:
         return
     head, rows = summarize(events, args.steps, args.top)
+    sites = copy_sites(events, args.steps, args.top)
     print(f"\n{head}\n")
     print(table(["device op", "us / step", "calls / step"], rows))
+    if sites:
+        print("\nplain copies: where they run\n")
+        print(table(["copy", "grid x block", "after", "before", "us / step", "calls / step"], sites))
 
 
 if __name__ == "__main__":

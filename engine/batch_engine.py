@@ -13,20 +13,19 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from kiviq.engine.detokenizer import make_detokenizer
 from kiviq.engine.kv_store import KiviStore
-from kiviq.engine.model_runner import ModelRunner
+from kiviq.engine.model_runner import PREFILL_WIDTH_MULTIPLE, ModelRunner
 from kiviq.engine.request import Request, StepEvent, TokenLogprob
 from kiviq.engine.sampler import RowState, Sampled, sample
-from kiviq.engine.scheduler import Scheduler
+from kiviq.engine.scheduler import Scheduler, pack_first_chunks
 from kiviq.engine.sequence import Sequence
 from kiviq.engine.stop import StopMatcher, final_text
 
 log = logging.getLogger("kiviq.engine")
-
-BATCHED_PREFILL_MAX_TOKENS = 256  # padding waste stays small below this
 
 
 @dataclass
@@ -127,15 +126,15 @@ class Engine:
             seq.kv = self.kv_store.blocks.allocate()
         if plan.decode:
             events += self._decode(plan.decode)
-        # Short whole prompts of new sequences share one (right-padded) forward,
-        # where per-forward overhead dominates; the rest go alone.
-        whole = [s for s, n in plan.prefill
-                 if s.prefilled == 0 and n == s.num_tokens <= BATCHED_PREFILL_MAX_TOKENS]
-        if len(whole) > 1:
-            events += self._prefill_new(whole)
-        for seq, n in plan.prefill:
-            if len(whole) < 2 or seq not in whole:
-                events += self._prefill(seq, n)
+        # First chunks of new sequences share right-padded forwards of similar
+        # lengths; a later chunk of a long prompt attends to its past, alone.
+        first = [(s, n) for s, n in plan.prefill if s.prefilled == 0]
+        later = [(s, n) for s, n in plan.prefill if s.prefilled > 0]
+        for group in pack_first_chunks([n for _, n in first], self.scheduler.max_batch_tokens,
+                                       multiple=PREFILL_WIDTH_MULTIPLE):
+            events += self._prefill_first([first[i] for i in group])
+        for seq, n in later:
+            events += self._prefill(seq, n)
         return events
 
     # ---- phases ----------------------------------------------------------
@@ -223,25 +222,41 @@ class Engine:
         tokens = sampled.tokens.tolist()
         return [self._emit(seq, tokens[0], sampled.row_logprobs(tokens)[0])]
 
-    def _prefill_new(self, seqs: list[Sequence]) -> list[StepEvent]:
+    def _prefill_first(self, items: list[tuple[Sequence, int]]) -> list[StepEvent]:
+        """First chunks of new sequences in one forward; those whose chunk is the
+        whole context draw their first token."""
+        seqs = [s for s, _ in items]
         try:
-            logits = self.runner.prefill_new([s.kv for s in seqs], [s.context for s in seqs])
-            sampled = sample(logits, [s.runtime.row for s in seqs])
-            self.runner.settle(*sampled.arrays())
-        except Exception as e:  # cannot tell whose fault: retry each alone next step
+            logits = self.runner.prefill_first([s.kv for s in seqs], [s.context[:n] for s, n in items])
+            done = [i for i, (s, n) in enumerate(items) if n == s.num_tokens]
+            sampled = None
+            if done:
+                rows = logits if len(done) == len(items) else logits[mx.array(done)]
+                sampled = sample(rows, [seqs[i].runtime.row for i in done])
+            self.runner.settle(*(sampled.arrays() if sampled is not None else ()))
+        except Exception as e:
+            if len(items) == 1:  # a sequence that fails in its own prefill fails alone
+                log.exception("prefill of %s failed", seqs[0].request_id)
+                return [self._end(seqs[0], [], "", "error", f"{type(e).__name__}: {e}")]
+            # Cannot tell whose fault: retry each alone.
             log.warning("batched prefill failed (%s); prefilling one by one", e)
-            for s in seqs:
+            events = []
+            for s, n in items:
                 self._release(s)
                 s.kv = self.kv_store.blocks.allocate()
                 s.prefilled = 0
-            return [ev for s in seqs for ev in self._prefill(s, s.num_tokens)]
+                events += self._prefill_first([(s, n)])
+            return events
+        for s, n in items:
+            s.prefilled = n
+            self.stats["prefill_tokens"] += n
+        if sampled is None:
+            return []
         events = []
         tokens = sampled.tokens.tolist()
-        for s, token, lp in zip(seqs, tokens, sampled.row_logprobs(tokens)):
-            s.prefilled = s.num_tokens
-            self.stats["prefill_tokens"] += s.num_tokens
-            self.scheduler.prefill_done(s)
-            events.append(self._emit(s, token, lp))
+        for i, token, lp in zip(done, tokens, sampled.row_logprobs(tokens)):
+            self.scheduler.prefill_done(seqs[i])
+            events.append(self._emit(seqs[i], token, lp))
         return events
 
     # ---- tokens -> events -------------------------------------------------

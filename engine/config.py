@@ -82,7 +82,8 @@ class EngineConfig:
         kv_flush_blocks: k, blocks quantized per flush (see KVConfig).
         kv_memory: byte budget of the KV store; None: a quarter of device memory.
         max_sequences: sequences the store holds at once.
-        max_batch_tokens: tokens fed to the model per step (decode + prefill).
+        max_batch_tokens: tokens fed to the model per step (decode + prefill);
+            None: chosen for the device (``engine.setup.default_batch_tokens``).
         compile_decode: replay decode steps through mx.compile; None: where MLX
             computes on a GPU (on a CPU the traces cost more than they save).
         pipeline: build decode step n+1 while step n runs (events one step later).
@@ -99,7 +100,7 @@ class EngineConfig:
     kv_flush_blocks: int = 1
     kv_memory: int | None = None
     max_sequences: int = 32
-    max_batch_tokens: int = 1024
+    max_batch_tokens: int | None = None
     compile_decode: bool | None = None
     pipeline: bool = True
     flat_qmm: bool = True
@@ -123,7 +124,7 @@ class EngineConfig:
             raise ValueError(f"kv_memory must be a positive byte count or None, got {self.kv_memory}")
         if self.max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
-        if self.max_batch_tokens < 1:
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
         if self.use_kernel not in (None, False):
             raise ValueError(f"use_kernel must be None (kernels where they run) or False, got {self.use_kernel!r}")

@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models import base as mlx_lm_base
 
 from kiviq.engine.block_manager import blocks_for_budget
-from kiviq.engine.kv_store import DecodeBatch, KiviStore, KVConfig, SequenceKV
+from kiviq.engine.kv_store import DecodeBatch, KiviStore, KVConfig, PrefillBatch, SequenceKV
 
 _stock_sdpa = mlx_lm_base.scaled_dot_product_attention
 
@@ -38,14 +38,13 @@ class KiviLayerCache:
     ``nbytes``, ``state``, ``empty``) and does the attention itself.
     """
 
-    def __init__(self, store: KiviStore, layer: int, seqs: list[SequenceKV], lengths: list[int] | None = None,
-                 batch: DecodeBatch | None = None):
+    def __init__(self, store: KiviStore, layer: int, seqs: list[SequenceKV], *,
+                 batch: DecodeBatch | None = None, prefill: PrefillBatch | None = None):
         self.store, self.layer, self.seqs = store, layer, seqs
-        # Real (unpadded) chunk length per sequence, for a batched first-chunk
-        # prefill of right-padded prompts.
-        self.lengths = lengths
         # A decode step prepared for every layer at once (its seqs are `seqs`).
         self.batch = batch
+        # First chunks of new sequences in one right-padded forward, likewise.
+        self.prefill = prefill
         self._pending: tuple[mx.array, mx.array] | None = None
 
     @property
@@ -53,6 +52,8 @@ class KiviLayerCache:
         """Committed tokens (the RoPE offset); per sequence when batched."""
         if self.batch is not None:
             return self.batch.offsets
+        if self.prefill is not None:
+            return 0
         g = self.store.config.group_size
         offsets = [s.offset(self.layer, g) for s in self.seqs]
         return offsets[0] if len(offsets) == 1 else mx.array(offsets)
@@ -94,8 +95,14 @@ class KiviLayerCache:
             batch = self.batch or self.store.begin_decode(self.seqs, self.layer)
             # As the model made them ([B, H, 1, D]): no per-layer reshape nodes.
             return self.store.write_and_attend(self.layer, batch, queries, keys, values, scale)
+        if self.prefill is not None:
+            # First chunks attend to themselves only; with padding only after each
+            # chunk, the causal mask alone keeps every real token from seeing it.
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal")
+            self.store.write_prefill(self.layer, self.prefill, keys, values)
+            return out
         if b != 1:
-            return self._attend_first_chunks(queries, keys, values, scale)
+            raise ValueError("a batched prefill takes first chunks of new sequences (KiviStore.begin_prefill)")
         seq = self.seqs[0]
         if seq.offset(self.layer, 1) == 0:  # first chunk: attends to itself only
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal")
@@ -109,20 +116,6 @@ class KiviLayerCache:
             # Finish every read of the pool before this chunk is written into it.
             mx.eval(out)
         self.store.append(self.layer, seq, keys[0], values[0])
-        return out
-
-    def _attend_first_chunks(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
-        """Batched prefill of several new sequences, right-padded to one length.
-
-        With no past and padding only after each prompt, a causal mask alone
-        keeps every real token from seeing padding; only real tokens are
-        committed.
-        """
-        if any(s.offset(self.layer, 1) for s in self.seqs) or self.lengths is None:
-            raise ValueError("a batched prefill takes first chunks of new sequences, with their lengths")
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal")
-        for i, (seq, n) in enumerate(zip(self.seqs, self.lengths)):
-            self.store.append(self.layer, seq, keys[i, :, :n], values[i, :, :n])
         return out
 
     @property

@@ -16,6 +16,28 @@ from kiviq.engine.kivi_cache import AttentionHook, KiviLayerCache
 from kiviq.engine.kv_store import KiviStore, SequenceKV
 
 
+# mlx-lm families whose Model.__call__ is exactly `head(self.model(inputs, cache))`,
+# the head being lm_head or, with tied embeddings, embed_tokens.as_linear.
+PLAIN_HEAD_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def vocabulary_projection(model: nn.Module):
+    """The model's final projection (hidden -> logits) as a function, or None
+    where its family may do more than project (then prefill takes full logits)."""
+    if getattr(model, "model_type", None) not in PLAIN_HEAD_FAMILIES or not hasattr(model, "model"):
+        return None
+    if getattr(model.args, "tie_word_embeddings", False):
+        return model.model.embed_tokens.as_linear
+    return getattr(model, "lm_head", None)
+
+
+# Prefill forwards are padded to a multiple of this many tokens: MLX builds a cuDNN
+# attention graph per (batch, length) shape, so a burst of prompts of scattered
+# lengths would build one per forward; padding (at most 63 tokens a row) makes
+# shapes repeat.
+PREFILL_WIDTH_MULTIPLE = 64
+
+
 class ModelRunner:
     """Runs an mlx-lm model whose attention reads and writes a KiviStore."""
 
@@ -23,34 +45,54 @@ class ModelRunner:
         self.model = model
         self.store = store
         self.attention = AttentionHook(model)
+        self._split = vocabulary_projection(model)
         # Optional: decode steps replayed through mx.compile (engine.compiled_decode).
         self.compiled = CompiledDecode(model, store) if compile_decode else None
 
-    def _caches(self, seqs: list[SequenceKV], lengths: list[int] | None = None) -> list[KiviLayerCache]:
-        return [KiviLayerCache(self.store, layer, seqs, lengths) for layer in range(self.store.num_layers)]
-
     def prefill(self, seq: SequenceKV, tokens: list[int]) -> mx.array:
-        """Feed a chunk of one sequence's context.
+        """Feed a later chunk of one sequence's context (it attends to the
+        sequence's committed past).
 
         Returns:
             [V] logits after the chunk's last token.
         """
+        caches = [KiviLayerCache(self.store, layer, [seq]) for layer in range(self.store.num_layers)]
         with self.attention:
-            logits = self.model(mx.array(tokens)[None], cache=self._caches([seq]))
-        return logits[0, -1]
+            hidden = self.trunk(mx.array(tokens)[None], caches)
+        return self.head(hidden[0, -1:])[0]
 
-    def prefill_new(self, seqs: list[SequenceKV], prompts: list[list[int]]) -> mx.array:
-        """Whole prompts of new sequences in one forward (right-padded).
+    def prefill_first(self, seqs: list[SequenceKV], chunks: list[list[int]]) -> mx.array:
+        """The first chunks of new sequences in one forward, right-padded to the
+        longest; their keys and values go into the store as each layer makes them
+        (``KiviStore.begin_prefill``).
 
         Returns:
-            [B, V] logits after each prompt's last token.
+            [B, V] logits after each chunk's last token.
         """
-        lengths = [len(p) for p in prompts]
-        width = max(lengths)
-        tokens = mx.array([p + [0] * (width - len(p)) for p in prompts])
+        lengths = [len(c) for c in chunks]
+        width = -(-max(lengths) // PREFILL_WIDTH_MULTIPLE) * PREFILL_WIDTH_MULTIPLE
+        batch = self.store.begin_prefill(seqs, lengths, width)
+        tokens = mx.array([c + [0] * (width - len(c)) for c in chunks])
+        caches = [KiviLayerCache(self.store, layer, seqs, prefill=batch) for layer in range(self.store.num_layers)]
         with self.attention:
-            logits = self.model(tokens, cache=self._caches(seqs, lengths))
-        return logits[mx.arange(len(prompts)), mx.array(lengths) - 1]
+            hidden = self.trunk(tokens, caches)
+        last = hidden[mx.arange(len(chunks)), mx.array(lengths) - 1]
+        return self.head(last)
+
+    def trunk(self, tokens: mx.array, caches: list[KiviLayerCache]) -> mx.array:
+        """Hidden states [B, L, H] after the final norm where the model's
+        family is known to end in a plain vocabulary projection (``head``), else
+        its logits [B, L, V]."""
+        if self._split is None:
+            return self.model(tokens, cache=caches)
+        return self.model.model(tokens, cache=caches)
+
+    def head(self, hidden: mx.array) -> mx.array:
+        """Logits [..., V] of rows that ``trunk`` returned: a prompt's logits are
+        only needed after its last token, so the vocabulary projection (151k x
+        2560 for Qwen3-4B, ~10% of a prefill's FLOPs and a [B, L, V] array) runs
+        on those rows alone."""
+        return hidden if self._split is None else self._split(hidden)
 
     def decode(self, seqs: list[SequenceKV], tokens: list[int] | mx.array) -> mx.array:
         """One token per sequence, all in one forward (per-sequence RoPE

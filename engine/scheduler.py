@@ -143,3 +143,33 @@ class Scheduler:
         self.prefilling.remove(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
+
+
+def pack_first_chunks(lengths: list[int], max_tokens: int, max_waste: float = 0.125,
+                      multiple: int = 1) -> list[list[int]]:
+    """Group first prefill chunks (of ``lengths`` tokens) into right-padded
+    forwards: indices into ``lengths``, longest first.
+
+    A forward is as wide as its longest chunk, rounded up to ``multiple``; it
+    takes chunks while its padded size stays within ``max_tokens`` (a chunk
+    longer than that goes alone) and the padding its rows would not have alone
+    within ``max_waste`` of that size. Sorting by length keeps similar lengths together, so a bulk run of
+    similar prompts pads little, and its forwards are mostly full: the same
+    (rows, width) shapes again and again.
+    """
+    def rounded(n: int) -> int:
+        return -(-n // multiple) * multiple
+
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        group = groups[-1] if groups else None
+        if group is not None:
+            width, count = rounded(lengths[group[0]]), len(group) + 1
+            # Padding a row would not have alone (its own rounding aside).
+            padding = sum(width - rounded(lengths[j]) for j in [*group, i])
+            if count * width <= max_tokens and padding <= max_waste * count * width:
+                group.append(i)
+                continue
+        groups.append([i])
+    return groups

@@ -34,6 +34,45 @@ def context_length(model: Any, default: int = DEFAULT_CONTEXT) -> int:
     return default
 
 
+CPU_BATCH_TOKENS = 1024  # a CPU computes a prefill at the same rate in any chunk size
+GPU_BATCH_TOKENS = (1024, 16384)  # least and most per step on a GPU
+ACTIVATION_SHARE = 0.04  # of device memory, for one step's activations
+
+
+def activation_bytes_per_token(model: Any) -> int:
+    """About what one token of a prefill forward keeps alive at its peak: the
+    residual stream, a layer's q/k/v and attention output, and its MLP
+    intermediates (gate, up and their product), twice over for the allocator's
+    slack, in the model's dtype."""
+    args = model.args
+    hidden = args.hidden_size
+    inter = getattr(args, "intermediate_size", 4 * hidden)
+    layers, n_kv, head_dim = attention_shape(model)
+    qkv = (args.num_attention_heads + 2 * n_kv) * head_dim
+    return 2 * model_dtype(model).size * (3 * hidden + qkv + hidden + 3 * inter)
+
+
+def default_batch_tokens(model: Any, device_memory: int | None = None, on_gpu: bool | None = None) -> int:
+    """Tokens per engine step when none is configured: on a GPU, the largest
+    power of two whose activations fit ``ACTIVATION_SHARE`` of its memory,
+    within ``GPU_BATCH_TOKENS`` (16384 at the Qwen3-4B shape on an H200, where
+    a prefill forward of 16k tokens runs the matmuls near their peak; 4096 on a
+    24 GB GPU); on a CPU, ``CPU_BATCH_TOKENS``."""
+    if on_gpu is None:
+        on_gpu = mx.default_device() == mx.gpu
+    if not on_gpu:
+        return CPU_BATCH_TOKENS
+    if device_memory is None:
+        info = mx.device_info() if hasattr(mx, "device_info") else {}
+        device_memory = info.get("memory_size") or info.get("total_memory") or 0
+    fit = int(device_memory * ACTIVATION_SHARE) // activation_bytes_per_token(model)
+    lo, hi = GPU_BATCH_TOKENS
+    tokens = lo
+    while tokens * 2 <= min(fit, hi):
+        tokens *= 2
+    return tokens
+
+
 def kernel_choice(config: EngineConfig, model: Any) -> bool | None:
     """``use_kernel`` for this worker: the config's, unless the kernels'
     start-up self-check (kiviq.kernels.self_check) reports a disagreement with
@@ -78,6 +117,8 @@ def build_engine(model: Any, tokenizer: Any, config: EngineConfig | None = None,
     config = dataclasses.replace(config, use_kernel=kernel_choice(config, model))
     store = make_store(model, config.kv, kv_memory=config.kv_memory, max_sequences=config.max_sequences,
                        context=context_length(model), use_kernel=config.use_kernel)
+    if config.max_batch_tokens is None:
+        config = dataclasses.replace(config, max_batch_tokens=default_batch_tokens(model))
     compile_decode = config.compile_decode
     if compile_decode is None:
         compile_decode = mx.default_device() == mx.gpu

@@ -67,9 +67,12 @@ def pack(codes: mx.array, bits: int) -> mx.array:
     if p == 1:
         return c
     c = c.reshape(*codes.shape[:-1], n // p, p)
-    shifts = mx.arange(0, 8, bits, dtype=mx.uint8)
-    # Disjoint bit fields: the sum equals the bitwise or, and stays below 256.
-    return mx.sum(c << shifts, axis=-1).astype(mx.uint8)
+    # P strided elementwise ops: a reduction over an axis of 2 or 4 codes ran as a
+    # row reduce on CUDA, a third of a prefill's device time (measured).
+    out = c[..., 0]
+    for j in range(1, p):
+        out = out | (c[..., j] << (j * bits))
+    return out
 
 
 def unpack(packed: mx.array, bits: int) -> mx.array:

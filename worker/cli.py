@@ -69,8 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--pipeline-decode", action=argparse.BooleanOptionalAction, default=True,
                    help="build each decode step while the previous one runs on the device (same tokens; "
                         "events one step later; default on)")
-    w.add_argument("--max-batch-tokens", type=int, default=1024,
-                   help="most tokens fed to the model per engine step (decode + prefill chunks)")
+    w.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="most tokens fed to the model per engine step (decode + prefill chunks; "
+                        "default: for the device, e.g. 16384 for a 4B model on an H200, 1024 on a CPU)")
+    w.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                   help="before taking jobs, run a short synthetic workload so that the first jobs pay no "
+                        "kernel compiles (default: on where MLX runs on a GPU; the log says how long it took)")
     w.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=None,
                    help="dequantize the model's quantized layers to float32 (default: only on CPU)")
     w.add_argument("--metrics-port", type=int, default=None,
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(args.model, redis_url, config=config, burst=args.burst, log_level=args.log_level,
                    dequantize=args.dequantize, cache_dir=os.environ.get("KIVIQ_CACHE_DIR") or None,
                    max_queued=args.max_queued, grace_s=args.grace,
-                   metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+                   metrics_port=args.metrics_port, metrics_host=args.metrics_host, warm_up=args.warm_up)
     except KeyboardInterrupt:
         return 130
     except (UsageError, Exception) as e:  # noqa: BLE001 - every error ends as one line (traceback with --debug)

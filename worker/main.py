@@ -27,12 +27,16 @@ class StartupError(RuntimeError):
 def run_worker(model: str | None = None, redis_url: str | None = None, *, config=None, burst: bool = False,
                name: str | None = None, log_level: str = "INFO", dequantize: bool | None = None,
                cache_dir: str | None = None, max_queued: int | None = None, grace_s: float = 30.0,
-               metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> int:
+               metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+               warm_up: bool | None = None) -> int:
     """Load ``model`` (default: SmolLM2-135M-Instruct) and serve jobs.
 
     ``config``: the engine's EngineConfig (worker/cli.py builds it from the flags;
     default: EngineConfig()); its ``max_sequences`` is the worker's ``--max-active``.
     ``dequantize``, ``cache_dir``: as in ``engine.load``.
+
+    ``warm_up``: before taking jobs, run a short synthetic workload so the first
+    jobs pay no kernel compiles (engine.warmup; None: where MLX runs on a GPU).
 
     ``metrics_port``: serve Prometheus metrics on http://127.0.0.1:PORT/metrics
     (0 picks a free port). Metrics are collected (and published to Redis for
@@ -83,7 +87,17 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
     log.info("KV cache: %s", "fp16" if c.kv_bits == 16 else
              f"KIVI {c.kv_bits}-bit{rotated}, G={c.kv_group_size}, R={c.kv_residual}, {c.kv_flush_blocks} block(s) per flush, "
              + ("reference attention" if c.use_kernel is False else "kernels where they run")
-             + (", decode steps compiled" if compiled else "") + (", decode steps pipelined" if c.pipeline else ""))
+             + (", decode steps compiled" if compiled else "") + (", decode steps pipelined" if c.pipeline else "")
+             + (f", {c.max_batch_tokens} tokens per step" if c.max_batch_tokens else ""))
+    if warm_up is None:
+        import mlx.core as mx
+
+        warm_up = mx.default_device() == mx.gpu
+    if warm_up and hasattr(engine, "kv_store"):  # the batching engine (the serial one compiles nothing)
+        from kiviq.engine.warmup import warm_up as run_warm_up
+
+        log.info("warming up (compiling kernels before taking jobs)")
+        log.info("warm-up took %.1f s", run_warm_up(engine, lm.args.vocab_size))
     worker = BatchWorker(engine, connection, max_active=config.max_sequences, name=name, max_queued=max_queued,
                          grace_s=grace_s, metrics=metrics)
     stats = StatsPublisher(connection, worker.name, metrics).start()  # for `kiviq top`

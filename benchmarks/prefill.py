@@ -1,0 +1,171 @@
+"""Bulk prefill through the engine: how fast a burst of long prompts gets its
+first tokens, warm and cold.
+
+The engine is built as the worker builds it (``build_engine`` with the worker's
+defaults unless ``--max-batch-tokens`` is given), on a random-weight model of a
+realistic shape. ``--requests`` prompts of about ``--prompt-tokens`` tokens
+(+-10%, distinct random tokens, a different set every run) are added at once;
+a run ends when every request has ``--gen`` tokens. Reported per run: the time
+until every request had its first token and the prompt tokens/s over it, the
+generated tokens/s end to end, and the inter-token latency of sequences that
+were decoding while others prefilled (p50 / p99). The first run of a process
+pays for compiling new shapes (cold); later ones are warm. Each run's greedy
+tokens are digested: runs with the same index see the same prompts, so two
+commands (a budget sweep, an older checkout) can be compared token for token.
+
+    python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --prompt-tokens 1200 --gen 256 --runs 3
+    python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --gen 1 --max-batch-tokens 4096 16384
+    python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --gen 1 --runs 2 --trace
+    python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --gen 256 --runs 2 --warm-up
+
+``--ceiling`` also times the bare model (mlx-lm, no cache) over the same
+prompts in right-padded forwards of the same budget: what the matmuls and the
+attention alone cost, the ceiling of any cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import command, device_trace, machine, table  # noqa: E402
+from benchmarks.engine import SHAPES, random_model  # noqa: E402
+from kiviq.engine import Request, build_engine  # noqa: E402
+from tests.engine_runs import IdTokenizer  # noqa: E402
+
+
+def make_prompts(run: int, n: int, tokens: int, vocab: int) -> list[list[int]]:
+    """n distinct prompts of tokens +-10%, the same for the same run index."""
+    rng = np.random.default_rng(1000 + run)
+    lengths = rng.integers(int(tokens * 0.9), int(tokens * 1.1) + 1, size=n)
+    return [rng.integers(10, vocab, size=int(m)).tolist() for m in lengths]
+
+
+def run_engine(engine, prompts: list[list[int]], gen: int) -> dict:
+    """Add every prompt at once and step until all are done; times the phases."""
+    mx.synchronize()
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add(Request(str(i), p, gen))
+    tokens = {str(i): [] for i in range(len(prompts))}
+    last: dict[str, float] = {}
+    first_all, gaps_burst, gaps = None, [], []
+    while engine.has_work():
+        events = engine.step()
+        now = time.perf_counter()
+        prefilling = bool(engine.scheduler.waiting or engine.scheduler.prefilling)
+        for ev in events:
+            if ev.finish_reason == "error":
+                raise SystemExit(f"request {ev.request_id} failed: {ev.error}")
+            if ev.request_id in last and ev.token_ids:
+                (gaps_burst if prefilling else gaps).append(now - last[ev.request_id])
+            if ev.token_ids:
+                last[ev.request_id] = now
+            tokens[ev.request_id] += ev.token_ids
+        if first_all is None and len(last) == len(prompts):
+            first_all = now - start
+    total = time.perf_counter() - start
+    digest = hashlib.sha256(repr(sorted(tokens.items())).encode()).hexdigest()[:12]
+    return dict(first_all=first_all, total=total, generated=sum(map(len, tokens.values())),
+                prompt=sum(map(len, prompts)), digest=digest, itl_burst=gaps_burst, itl=gaps)
+
+
+def bare_model(model, prompts: list[list[int]], budget: int) -> float:
+    """Seconds for the bare model (no cache) over the prompts in right-padded
+    forwards of about ``budget`` tokens, longest first; logits of the last row only."""
+    order = sorted(prompts, key=len, reverse=True)
+    mx.synchronize()
+    start = time.perf_counter()
+    i = 0
+    while i < len(order):
+        width = len(order[i])
+        rows = order[i: i + max(1, budget // width)]
+        i += len(rows)
+        x = mx.array([r + [0] * (width - len(r)) for r in rows])
+        hidden = model.model(x)
+        mx.eval(model.model.embed_tokens.as_linear(hidden[:, -1]))
+    mx.synchronize()
+    return time.perf_counter() - start
+
+
+def pct(values: list[float], q: float) -> str:
+    if not values:
+        return "-"
+    return f"{1e3 * float(np.percentile(values, q)):.0f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-4b", choices=sorted(SHAPES))
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=1200)
+    p.add_argument("--gen", type=int, default=256, help="new tokens per request (1: prefill only)")
+    p.add_argument("--runs", type=int, default=3, help="runs per budget in this process (the first is cold)")
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--max-batch-tokens", type=int, nargs="*", default=[None],
+                   help="engine budgets to run (default: the worker's default)")
+    p.add_argument("--warm-up", action="store_true", dest="warm_up",
+                   help="run the worker's warm-up (engine.warmup) before the first run, and time it")
+    p.add_argument("--ceiling", action="store_true", help="also time the bare model over the same prompts")
+    p.add_argument("--trace", action="store_true", help="trace the last run's device ops (CUDA, PyTorch)")
+    p.add_argument("--top", type=int, default=15)
+    args = p.parse_args()
+
+    print(f"# {command()}\n# {machine()}\n")
+    model = random_model(args.shape, getattr(mx, args.dtype), None)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    rows, events = [], []
+    for budget in args.max_batch_tokens:
+        options = {} if budget is None else {"max_batch_tokens": budget}
+        engine = build_engine(model, IdTokenizer(), kv_bits=args.bits, max_sequences=args.requests, **options)
+        budget = engine.scheduler.max_batch_tokens
+        if args.warm_up:
+            from kiviq.engine.warmup import warm_up
+
+            print(f"warm-up took {warm_up(engine, vocab):.1f} s", flush=True)
+        for run in range(args.runs):
+            prompts = make_prompts(run, args.requests, args.prompt_tokens, vocab)
+            traced = args.trace and run == args.runs - 1
+            with device_trace() if traced else contextlib.nullcontext([]) as ev:
+                r = run_engine(engine, prompts, args.gen)
+            events = ev or events
+            rows.append([budget, run, ("after warm-up" if args.warm_up else "cold") if run == 0 else "warm", f"{r['first_all']:.2f}",
+                         f"{r['prompt'] / r['first_all']:,.0f}", f"{r['total']:.2f}",
+                         f"{r['generated'] / r['total']:,.1f}",
+                         f"{pct(r['itl_burst'], 50)} / {pct(r['itl_burst'], 99)}",
+                         f"{pct(r['itl'], 50)} / {pct(r['itl'], 99)}", r["digest"]])
+            print(table(["budget", "run", "", "all first tokens s", "prompt tok/s", "total s", "generated tok/s",
+                         "ITL in burst p50/p99 ms", "ITL after p50/p99 ms", "tokens"], rows[-1:]), flush=True)
+        del engine
+    print(f"\n{args.requests} requests x ~{args.prompt_tokens} prompt tokens x {args.gen} new, "
+          f"{args.shape} {args.dtype}, KIVI {args.bits}-bit\n")
+    print(table(["budget", "run", "", "all first tokens s", "prompt tok/s", "total s", "generated tok/s",
+                 "ITL in burst p50/p99 ms", "ITL after p50/p99 ms", "tokens"], rows))
+    if args.ceiling:
+        prompts = make_prompts(0, args.requests, args.prompt_tokens, vocab)
+        budget = rows[-1][0]
+        times = [bare_model(model, prompts, budget) for _ in range(3)]
+        n = sum(map(len, prompts))
+        print(f"\nbare model, forwards of <= {budget} tokens: {n / statistics.median(times):,.0f} prompt tok/s "
+              f"(median of {len(times)}; min {min(times):.2f} s, max {max(times):.2f} s)")
+    if args.trace:
+        from benchmarks.step_trace import summarize
+
+        head, krows = summarize(events, 1, args.top)
+        print(f"\ntraced run (whole run as one 'step'): {head}\n")
+        print(table(["kernel", "us", "calls"], krows))
+
+
+if __name__ == "__main__":
+    main()

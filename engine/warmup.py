@@ -1,0 +1,67 @@
+"""Compile before serving: a short synthetic run through the engine's own paths.
+
+The first time MLX meets an op on a GPU it compiles its kernel (NVRTC), builds a
+cuDNN attention graph per attention shape, and ``mx.compile`` traces a decode
+step per (batch, table width). A bulk run right after a worker starts paid for
+all of that in its first seconds (measured: all first tokens after 19.6 s cold
+against 4.3 s warm on an H200). ``warm_up`` runs requests of random tokens that
+take every path a real run takes -- batched first-chunk prefill with flushes,
+a later chunk attending to its past, plain, traced and replayed decode steps at
+a few batch sizes, sampling with and without logprobs -- then frees everything
+and zeroes the engine's counters, so the worker's metrics see only real work.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import mlx.core as mx
+
+from kiviq.engine.model_runner import PREFILL_WIDTH_MULTIPLE
+from kiviq.engine.request import Request, SamplingParams
+
+DECODE_STEPS = 6  # enough for a plain step, a trace and replays at each batch size
+
+
+def _prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
+    return [rng.randrange(10, vocab) for _ in range(n)]
+
+
+def warm_up(engine: Any, vocab_size: int, *, batch_sizes: tuple[int, ...] = (1, 2, 4)) -> float:
+    """Run the synthetic workload on ``engine`` (an idle batching Engine); returns
+    the seconds it took. The engine is idle again afterwards, its stats zeroed."""
+    if engine.has_work():
+        raise RuntimeError("warm_up needs an idle engine")
+    start = time.perf_counter()
+    rng = random.Random(0)
+    store = engine.kv_store.config
+    budget = engine.scheduler.max_batch_tokens
+    # Long enough to flush blocks inside the prompt, short enough for any budget.
+    flushing = min(store.residual + 2 * store.flush_tokens + 5, max(1, budget // 2 - max(batch_sizes)))
+    width = -(-flushing // PREFILL_WIDTH_MULTIPLE) * PREFILL_WIDTH_MULTIPLE
+    capacity = engine.capacity
+    n = 0
+    for b in batch_sizes:
+        if b > capacity:
+            break
+        for i in range(b):  # a group of first chunks, one of them with logprobs and a seed
+            sampling = SamplingParams(logprobs=2) if i == 0 else SamplingParams(temperature=0.7, seed=i)
+            engine.add(Request(f"warm-up-{n}", _prompt(rng, vocab_size, width - i), DECODE_STEPS + 2, sampling))
+            n += 1
+        _drain(engine)
+    if budget < 4 * width and capacity >= 1:  # a prompt longer than a step: a later chunk with a past
+        engine.add(Request(f"warm-up-{n}", _prompt(rng, vocab_size, budget + flushing), 2))
+        _drain(engine)
+    mx.synchronize()
+    for key in engine.stats:
+        engine.stats[key] = 0
+    return time.perf_counter() - start
+
+
+def _drain(engine: Any) -> None:
+    while engine.has_work():
+        for event in engine.step():
+            if event.finish_reason == "error":
+                raise RuntimeError(f"warm-up request failed: {event.error}")
