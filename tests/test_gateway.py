@@ -270,3 +270,20 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_job(gateway, gw_redis)
     result = Client(gw_redis).job(job_id).result(timeout=60)
     assert result.finish_reason.value == "cancelled"
     assert result.usage.completion_tokens < 4000
+
+
+def test_a_client_that_gives_up_on_a_non_streamed_answer_cancels_its_job(gateway, gw_redis, caplog):
+    import logging
+    import re
+
+    body = {"prompt": "Once upon a time", "max_tokens": 4000}
+    with caplog.at_level(logging.INFO, logger="kiviq.gateway"):
+        with httpx.Client(base_url=gateway.base, headers={"Authorization": f"Bearer {KEY}"}, timeout=2) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                c.post("/v1/completions", json=body)
+        deadline = time.monotonic() + 30
+        while "cancelled job" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.1)
+    job_id = re.search(r"cancelled job (\S+)", caplog.text).group(1)
+    result = Client(gw_redis).job(job_id).result(timeout=60)
+    assert result.finish_reason.value == "cancelled" and result.usage.completion_tokens < 4000
