@@ -26,7 +26,7 @@ from redis.exceptions import AuthenticationError, RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kiviq.client.async_client import AsyncClient, AsyncJobHandle
@@ -34,6 +34,7 @@ from kiviq.client.bulk_format import CHAT_URL, COMPLETIONS_URL, DEFAULT_MODEL
 from kiviq.client.errors import QueueFull
 from kiviq.client.streaming import JobFailed, TextDeltas
 from kiviq.client.top import read_worker_stats
+from kiviq.gateway.batches import BatchStore
 from kiviq.gateway.errors import APIError, error_body
 from kiviq.gateway.responses import ChunkWriter, response_body
 from kiviq.gateway.schemas import parse_request
@@ -43,6 +44,7 @@ from kiviq.jobs.settings import redact_url
 log = logging.getLogger("kiviq.gateway")
 
 MAX_BODY_BYTES = 10 * 1024 * 1024
+MAX_FILE_BYTES = 200 * 1024 * 1024  # a Batch API input file
 RETRY_AFTER_S = 2  # Retry-After of a 429 (queue full)
 MODELS_TTL_S = 5.0  # how long the served-model list is cached
 DISCONNECT_POLL_S = 0.5  # non-streamed requests: how often to look for a client that went away
@@ -53,8 +55,11 @@ class Gateway:
     """The app's state: the queue client and settings."""
 
     def __init__(self, redis_url: str, api_keys: Iterable[str] = (), *, max_body_bytes: int = MAX_BODY_BYTES,
-                 request_timeout_s: float = 600.0):
+                 request_timeout_s: float = 600.0, files_dir: str | None = None,
+                 max_file_bytes: int = MAX_FILE_BYTES, batch_max_in_flight: int = 64):
         self.redis_url = redis_url
+        self.batches = BatchStore(files_dir, redis_url, max_in_flight=batch_max_in_flight) if files_dir else None
+        self.max_file_bytes = max_file_bytes
         self.api_keys = [k.encode() for k in api_keys]
         self.max_body_bytes = max_body_bytes
         self.request_timeout_s = request_timeout_s
@@ -179,6 +184,69 @@ class Gateway:
         return JSONResponse(response_body(job_request, result, model, created))
 
 
+    # ---- Batch API --------------------------------------------------------
+
+    def _store(self) -> BatchStore:
+        if self.batches is None:
+            raise APIError(404, "the Batch API is off on this gateway (kiviq serve --files-dir DIR turns it on)",
+                           code="not_found")
+        return self.batches
+
+    async def upload_file(self, request: Request) -> Response:
+        store = self._store()
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_file_bytes + 64 * 1024:
+            raise APIError(413, f"the file is larger than {self.max_file_bytes} bytes", code="request_too_large")
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise APIError(400, "upload a file as multipart/form-data with the fields 'file' and 'purpose'")
+        try:
+            form = await request.form(max_files=1, max_fields=8)
+        except Exception as e:  # noqa: BLE001 - a malformed form is the client's error
+            raise APIError(400, f"the multipart body cannot be read: {getattr(e, 'detail', None) or e}") from None
+        try:
+            purpose, upload = form.get("purpose"), form.get("file")
+            if purpose != "batch":
+                raise APIError(400, f"purpose: only 'batch' is supported, got {purpose!r}", param="purpose",
+                               code="invalid_value")
+            if upload is None or isinstance(upload, str):
+                raise APIError(400, "file: required (a file part)", param="file", code="invalid_value")
+            content = await upload.read(self.max_file_bytes + 1)
+            if len(content) > self.max_file_bytes:
+                raise APIError(413, f"the file is larger than {self.max_file_bytes} bytes", code="request_too_large")
+            filename = upload.filename or "input.jsonl"
+        finally:
+            await form.close()
+        return JSONResponse(await asyncio.to_thread(store.add_file, content, filename, "batch"))
+
+    async def get_file(self, request: Request) -> Response:
+        return JSONResponse(await asyncio.to_thread(self._store().get_file, request.path_params["file_id"]))
+
+    async def file_content(self, request: Request) -> Response:
+        path = await asyncio.to_thread(self._store().file_content_path, request.path_params["file_id"])
+        return FileResponse(path, media_type="application/jsonl")
+
+    async def create_batch(self, request: Request) -> Response:
+        store = self._store()
+        body = await self.read_json(request)
+        return JSONResponse(await asyncio.to_thread(store.create_batch, body))
+
+    async def get_batch(self, request: Request) -> Response:
+        return JSONResponse(await asyncio.to_thread(self._store().get_batch, request.path_params["batch_id"]))
+
+    async def list_batches(self, request: Request) -> Response:
+        store = self._store()
+        try:
+            limit = int(request.query_params.get("limit", "20"))
+            if not 1 <= limit <= 100:
+                raise ValueError
+        except ValueError:
+            raise APIError(400, "limit: must be an integer 1..100", param="limit", code="invalid_value") from None
+        return JSONResponse(await asyncio.to_thread(store.list_batches, limit, request.query_params.get("after")))
+
+    async def cancel_batch(self, request: Request) -> Response:
+        return JSONResponse(await asyncio.to_thread(self._store().cancel_batch, request.path_params["batch_id"]))
+
+
 def _model_object(model: str) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": 0, "owned_by": "kiviq"}
 
@@ -283,13 +351,19 @@ def create_app(redis_url: str, api_keys: Iterable[str] = (), **options: Any) -> 
 
     Args:
         api_keys: accepted Bearer keys; none: no authentication.
-        **options: ``max_body_bytes``, ``request_timeout_s`` (see ``Gateway``).
+        **options: ``max_body_bytes``, ``request_timeout_s``, ``files_dir`` (the
+            Batch API's directory; None: the Batch API is off), ``max_file_bytes``,
+            ``batch_max_in_flight`` (see ``Gateway``).
     """
     gateway = Gateway(redis_url, api_keys, **options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         gateway.client = AsyncClient(redis_url)
+        if gateway.batches is not None:
+            resumed = await asyncio.to_thread(gateway.batches.resume)
+            if resumed:
+                log.info("resumed %d unfinished batch(es): %s", len(resumed), ", ".join(resumed))
         try:
             yield
         finally:
@@ -305,6 +379,13 @@ def create_app(redis_url: str, api_keys: Iterable[str] = (), **options: Any) -> 
         route("/v1/models/{model_id:path}", gateway.get_model, ["GET"]),
         route("/v1/chat/completions", gateway.chat_completions, ["POST"]),
         route("/v1/completions", gateway.completions, ["POST"]),
+        route("/v1/files", gateway.upload_file, ["POST"]),
+        route("/v1/files/{file_id}", gateway.get_file, ["GET"]),
+        route("/v1/files/{file_id}/content", gateway.file_content, ["GET"]),
+        route("/v1/batches", gateway.create_batch, ["POST"]),
+        route("/v1/batches", gateway.list_batches, ["GET"]),
+        route("/v1/batches/{batch_id}", gateway.get_batch, ["GET"]),
+        route("/v1/batches/{batch_id}/cancel", gateway.cancel_batch, ["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
     app.state.gateway = gateway

@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="kiviq serve", formatter_class=HelpFormatter,
         description="Serve an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
-                    "/health, /ready) that enqueues into kiviq's Redis queues. Needs pip install 'kiviq[http]'.")
+                    "/v1/files, /v1/batches, /health, /ready) that enqueues into kiviq's Redis queues. Needs pip install 'kiviq[http]'.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--redis-url", default=None, help=f"Redis to use (default: $REDIS_URL or {DEFAULT_REDIS_URL})")
@@ -40,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may wait for its job before it is cancelled (504)")
     p.add_argument("--max-body-mb", type=float, default=10.0, help="largest request body accepted (413 above)")
+    p.add_argument("--files-dir", default=None, metavar="DIR",
+                   help="where the Batch API keeps its files and batches (default: $KIVIQ_CACHE_DIR/gateway, "
+                        "else ~/.cache/kiviq/gateway)")
+    p.add_argument("--no-batches", action="store_true", help="turn the Batch API (/v1/files, /v1/batches) off")
+    p.add_argument("--max-file-mb", type=float, default=200.0, help="largest Batch API file accepted")
+    p.add_argument("--batch-max-in-flight", type=int, default=64,
+                   help="most jobs each batch keeps queued or running at once")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
     p.add_argument("--debug", action="store_true", default=os.environ.get("KIVIQ_DEBUG") == "1",
                    help="on a start-up error, print the traceback too (default: off, on with KIVIQ_DEBUG=1)")
@@ -59,8 +66,18 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"--redis-url {redact_url(url)!r}: the URL must start with redis://, rediss:// or unix://")
     if not 0 < args.port < 65536:
         return fail(f"--port {args.port}: must be 1..65535")
-    if args.request_timeout <= 0 or args.max_body_mb <= 0:
-        return fail("--request-timeout and --max-body-mb must be > 0")
+    if args.request_timeout <= 0 or args.max_body_mb <= 0 or args.max_file_mb <= 0:
+        return fail("--request-timeout, --max-body-mb and --max-file-mb must be > 0")
+    if args.batch_max_in_flight < 1:
+        return fail(f"--batch-max-in-flight {args.batch_max_in_flight}: must be >= 1")
+    files_dir = None
+    if not args.no_batches:
+        files_dir = args.files_dir or os.path.join(
+            os.environ.get("KIVIQ_CACHE_DIR") or os.path.expanduser("~/.cache/kiviq"), "gateway")
+        try:
+            os.makedirs(files_dir, exist_ok=True)
+        except OSError as e:
+            return fail(f"--files-dir {files_dir}: {e.strerror}")
     keys = list(args.api_key or [])
     keys += [k.strip() for k in os.environ.get("KIVIQ_API_KEYS", "").split(",") if k.strip()]
     if any(not k for k in keys):
@@ -73,9 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"{e.name or e} is not installed; pip install 'kiviq[http]'")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(url, keys, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-                     request_timeout_s=args.request_timeout)
-    log.info("kiviq gateway on http://%s:%d, Redis %s, %s", args.host, args.port, redact_url(url),
-             f"{len(keys)} API key(s)" if keys else "no API key (anyone who can connect may use it)")
+                     request_timeout_s=args.request_timeout, files_dir=files_dir,
+                     max_file_bytes=int(args.max_file_mb * 1024 * 1024), batch_max_in_flight=args.batch_max_in_flight)
+    log.info("kiviq gateway on http://%s:%d, Redis %s, %s, Batch API %s", args.host, args.port, redact_url(url),
+             f"{len(keys)} API key(s)" if keys else "no API key (anyone who can connect may use it)",
+             f"files in {files_dir}" if files_dir else "off")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     except KeyboardInterrupt:

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible gateway (kiviq serve), end to end: the real
+"""The OpenAI-compatible gateway (kiviq serve), end to end, Batch API included: the real
 ``openai`` package against a live gateway (uvicorn in a thread), a real
 ``kiviq worker`` with SmolLM2 and the suite's own Redis. One worker and one
 gateway serve the whole module; requests are short."""
@@ -92,8 +92,9 @@ class _Server:
 
 
 @pytest.fixture(scope="module")
-def gateway(gw_redis, gw_worker):
-    server = _Server(create_app(gw_redis, [KEY, "sk-second"]))
+def gateway(gw_redis, gw_worker, tmp_path_factory):
+    server = _Server(create_app(gw_redis, [KEY, "sk-second"], files_dir=str(tmp_path_factory.mktemp("gw-files")),
+                                batch_max_in_flight=2))
     yield server
     server.stop()
 
@@ -287,3 +288,91 @@ def test_a_client_that_gives_up_on_a_non_streamed_answer_cancels_its_job(gateway
     job_id = re.search(r"cancelled job (\S+)", caplog.text).group(1)
     result = Client(gw_redis).job(job_id).result(timeout=60)
     assert result.finish_reason.value == "cancelled" and result.usage.completion_tokens < 4000
+
+
+# --- the Batch API ----------------------------------------------------------------
+
+
+def _jsonl(lines) -> bytes:
+    import json
+
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def _wait_batch(oai, batch_id: str, statuses: tuple[str, ...], timeout: float = 180):
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = oai.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        assert time.monotonic() < deadline, f"batch still {batch.status}"
+        time.sleep(0.3)
+
+
+def test_batch_round_trip(oai, http):
+    import json
+
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    questions = ["What is the capital of France?", "Name a color.", "Say hi."]
+    lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "messages": [{"role": "user", "content": q}], "max_tokens": 8}}
+             for i, q in enumerate(questions)]
+    lines.append({"custom_id": "c0", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": MODEL, "prompt": PROMPT, "max_tokens": 8}})
+    lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": MODEL, "messages": MESSAGES, "n": 2}})
+    f = oai.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
+    assert f.purpose == "batch" and f.bytes == len(_jsonl(lines)) and oai.files.retrieve(f.id).id == f.id
+    assert oai.files.content(f.id).content == _jsonl(lines)
+    batch = oai.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                               metadata={"run": "test"})
+    assert batch.status in ("validating", "in_progress") and batch.metadata == {"run": "test"}
+    batch = _wait_batch(oai, batch.id, ("completed", "failed", "cancelled"))
+    assert batch.status == "completed" and batch.errors is None
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (5, 4, 1)
+    out = [json.loads(line) for line in oai.files.content(batch.output_file_id).text.splitlines()]
+    errors = [json.loads(line) for line in oai.files.content(batch.error_file_id).text.splitlines()]
+    assert sorted(r["custom_id"] for r in out) == ["c0", "q0", "q1", "q2"]
+    assert [r["custom_id"] for r in errors] == ["bad"] and "n" in errors[0]["error"]["message"]
+    for r in out:
+        body = r["response"]["body"]
+        kind = Completion if r["custom_id"] == "c0" else ChatCompletion
+        assert kind.model_validate(body).usage.completion_tokens >= 1
+    # the same request through the HTTP API answers the same (greedy) text
+    q0 = next(r for r in out if r["custom_id"] == "q0")["response"]["body"]["choices"][0]["message"]["content"]
+    direct = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": questions[0]}],
+                                         max_tokens=8)
+    assert direct.choices[0].message.content == q0
+    assert batch.id in [b.id for b in oai.batches.list()]
+    # finished batches cannot be cancelled; unknown ids are 404s
+    _assert_openai_error(http.post(f"/v1/batches/{batch.id}/cancel"), 400)
+    _assert_openai_error(http.get("/v1/batches/batch-doesnotexist0"), 404)
+    _assert_openai_error(http.get("/v1/files/file-doesnotexist0/content"), 404)
+    _assert_openai_error(http.get("/v1/files/../../etc/passwd"), 404)
+    _assert_openai_error(http.post("/v1/batches", json={"input_file_id": "file-nope", "endpoint":
+                                                        "/v1/chat/completions", "completion_window": "24h"}), 404)
+    _assert_openai_error(http.post("/v1/batches", json={"input_file_id": f.id, "endpoint": "/v1/embeddings",
+                                                        "completion_window": "24h"}), 400, "endpoint")
+    _assert_openai_error(http.post("/v1/files", files={"file": ("x.jsonl", b"{}")}, data={"purpose": "fine-tune"}),
+                         400, "purpose")
+
+
+def test_cancel_a_running_batch(oai, gw_redis):
+    lines = [{"custom_id": f"long{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "Write a long story about a ship."}],
+                       "max_tokens": 3000}} for i in range(6)]
+    f = oai.files.create(file=("long.jsonl", _jsonl(lines)), purpose="batch")
+    batch = oai.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    _wait_batch(oai, batch.id, ("in_progress",))
+    time.sleep(1.0)  # its first jobs are running
+    assert oai.batches.cancel(batch.id).status == "cancelling"
+    batch = _wait_batch(oai, batch.id, ("cancelled",), timeout=60)
+    assert batch.request_counts.total == 6 and batch.request_counts.completed < 6
+    assert batch.cancelled_at is not None
+    # the worker is free again: a short request answers at once
+    started = time.monotonic()
+    oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert time.monotonic() - started < 30
+    assert Client(gw_redis).queued() == 0
