@@ -22,6 +22,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import anyio
+from redis import Redis
+from redis.asyncio import BlockingConnectionPool
+from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import AuthenticationError, RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -49,6 +52,10 @@ RETRY_AFTER_S = 2  # Retry-After of a 429 (queue full)
 MODELS_TTL_S = 5.0  # how long the served-model list is cached
 DISCONNECT_POLL_S = 0.5  # non-streamed requests: how often to look for a client that went away
 OPEN_PATHS = ("/health", "/ready")  # probes need no key
+# Each open stream holds one Redis connection (its pub/sub) for its whole life;
+# past the limit a new request waits up to POOL_WAIT_S for one, then gets a 503.
+REDIS_MAX_CONNECTIONS = 2048
+POOL_WAIT_S = 30.0
 
 
 class Gateway:
@@ -56,7 +63,9 @@ class Gateway:
 
     def __init__(self, redis_url: str, api_keys: Iterable[str] = (), *, max_body_bytes: int = MAX_BODY_BYTES,
                  request_timeout_s: float = 600.0, files_dir: str | None = None,
-                 max_file_bytes: int = MAX_FILE_BYTES, batch_max_in_flight: int = 64):
+                 max_file_bytes: int = MAX_FILE_BYTES, batch_max_in_flight: int = 64,
+                 redis_max_connections: int = REDIS_MAX_CONNECTIONS):
+        self.redis_max_connections = redis_max_connections
         self.redis_url = redis_url
         self.batches = BatchStore(files_dir, redis_url, max_in_flight=batch_max_in_flight) if files_dir else None
         self.max_file_bytes = max_file_bytes
@@ -353,13 +362,16 @@ def create_app(redis_url: str, api_keys: Iterable[str] = (), **options: Any) -> 
         api_keys: accepted Bearer keys; none: no authentication.
         **options: ``max_body_bytes``, ``request_timeout_s``, ``files_dir`` (the
             Batch API's directory; None: the Batch API is off), ``max_file_bytes``,
-            ``batch_max_in_flight`` (see ``Gateway``).
+            ``batch_max_in_flight``, ``redis_max_connections`` (see ``Gateway``).
     """
     gateway = Gateway(redis_url, api_keys, **options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        gateway.client = AsyncClient(redis_url)
+        pool = BlockingConnectionPool.from_url(redis_url, max_connections=gateway.redis_max_connections,
+                                               timeout=POOL_WAIT_S)
+        sync = Redis.from_url(redis_url, max_connections=gateway.redis_max_connections)
+        gateway.client = AsyncClient(connection=AsyncRedis(connection_pool=pool), sync_connection=sync)
         if gateway.batches is not None:
             resumed = await asyncio.to_thread(gateway.batches.resume)
             if resumed:
@@ -368,6 +380,8 @@ def create_app(redis_url: str, api_keys: Iterable[str] = (), **options: Any) -> 
             yield
         finally:
             await gateway.client.aclose()
+            await pool.disconnect()
+            sync.close()
 
     def route(path: str, endpoint, methods: list[str]) -> Route:
         return Route(path, guarded(gateway, endpoint), methods=methods)
