@@ -140,6 +140,12 @@ def test_completion_equals_the_client_result(oai, gw_redis):
     assert r.object == "text_completion" and r.id.startswith("cmpl-")
     assert r.choices[0].text == expected.text
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == MAX_TOKENS
+    # stop (a string of the greedy answer) and seed map onto the job the same way
+    word = expected.text.split()[1]
+    stopped = Client(gw_redis).submit(prompt=PROMPT, max_tokens=MAX_TOKENS, stop=[word]).result(timeout=300)
+    r = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, stop=word, seed=7)
+    assert r.choices[0].text == stopped.text and word not in r.choices[0].text
+    assert r.choices[0].finish_reason == "stop"
 
 
 def test_streamed_deltas_equal_the_whole_text(oai):
@@ -257,6 +263,14 @@ def test_redis_unreachable_is_503_without_the_password(caplog):
 
 
 def test_a_client_that_disconnects_mid_stream_cancels_its_job(gateway, gw_redis):
+    from kiviq.client.top import read_worker_stats
+
+    conn = Redis.from_url(gw_redis)
+
+    def kv_used() -> list[int]:
+        return sorted(s["kv_used_bytes"] for s in read_worker_stats(conn).values())
+
+    before = kv_used()
     body = {"messages": [{"role": "user", "content": "Write a very long story about the sea."}],
             "max_tokens": 4000, "stream": True}
     with httpx.Client(base_url=gateway.base, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
@@ -265,12 +279,20 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_job(gateway, gw_redis)
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             next(line for line in lines if '"content"' in line and line != first)  # generating
+            deadline = time.monotonic() + 10
+            while kv_used() == before:  # the running job holds KV memory
+                assert time.monotonic() < deadline, "the worker's stats never showed the job's KV memory"
+                time.sleep(0.2)
     import json
 
     job_id = json.loads(first[len("data: "):])["id"].removeprefix("chatcmpl-")
     result = Client(gw_redis).job(job_id).result(timeout=60)
     assert result.finish_reason.value == "cancelled"
     assert result.usage.completion_tokens < 4000
+    deadline = time.monotonic() + 15  # the worker's stats snapshot: its KV memory is back where it was
+    while kv_used() != before:
+        assert time.monotonic() < deadline, (kv_used(), before)
+        time.sleep(0.2)
 
 
 def test_a_client_that_gives_up_on_a_non_streamed_answer_cancels_its_job(gateway, gw_redis, caplog):
