@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import IO, TYPE_CHECKING, Any
 
@@ -129,7 +129,8 @@ class Progress:
 
 class _BulkRun:
     def __init__(self, client: "Client", in_path: str, out_path: str, max_in_flight: int,
-                 defaults: dict[str, Any], progress: bool | None, retry_failed: bool = False):
+                 defaults: dict[str, Any], progress: bool | None, retry_failed: bool = False,
+                 stop: Callable[[], bool] | None = None):
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
         self.client = client
@@ -139,6 +140,7 @@ class _BulkRun:
         self.max_in_flight = max_in_flight
         self.defaults = defaults
         self.retry_failed = retry_failed
+        self.stop = stop
         self.summary = BulkSummary()
         self.progress_enabled = sys.stderr.isatty() if progress is None else progress
         self.progress: Progress | None = None
@@ -169,6 +171,10 @@ class _BulkRun:
             blocked_until = 0.0
             next_sweep = time.monotonic() + SWEEP_EVERY_S
             while True:
+                if self.stop is not None and self.stop():  # asked to stop: cancel what is in flight
+                    for job_id in list(self.in_flight):
+                        self.client.cancel(job_id)
+                    break
                 new_ids = []
                 while not exhausted and len(self.in_flight) < self.max_in_flight \
                         and time.monotonic() >= blocked_until:
@@ -351,7 +357,7 @@ class _BulkRun:
 
 def run_bulk(client: "Client", in_path: str, out_path: str, *, max_in_flight: int = 64,
              defaults: dict[str, Any] | None = None, progress: bool | None = None,
-             retry_failed: bool = False) -> BulkSummary:
+             retry_failed: bool = False, stop: Callable[[], bool] | None = None) -> BulkSummary:
     """Generate for every line of ``in_path``, appending results to ``out_path``.
 
     Args:
@@ -369,6 +375,9 @@ def run_bulk(client: "Client", in_path: str, out_path: str, *, max_in_flight: in
         retry_failed: remove the error lines already in ``out_path`` (an
             atomic rewrite) and run their input lines again, so the file
             still holds one line per custom_id.
+        stop: called between steps; when it returns True the run cancels
+            its in-flight jobs and returns (their lines are not written, so
+            a later run without ``stop`` would run them again).
 
     Returns:
         A BulkSummary: ok / failed count every line of ``out_path``
@@ -381,4 +390,4 @@ def run_bulk(client: "Client", in_path: str, out_path: str, *, max_in_flight: in
         redis.exceptions.ConnectionError: Redis cannot be reached.
     """
     return _BulkRun(client, in_path, out_path, max_in_flight, check_defaults(defaults), progress,
-                    retry_failed).run()
+                    retry_failed, stop).run()

@@ -1,4 +1,4 @@
-"""The ``kiviq`` command: worker, generate, cancel, top, bulk, demo.
+"""The ``kiviq`` command: worker, serve, generate, cancel, top, bulk, demo.
 
 Errors print one line, ``kiviq: error: ...``, and exit 2 for a usage error
 (a bad flag value, a malformed URL), 1 for a runtime failure (Redis down, a
@@ -217,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Listed for --help only: main() hands `kiviq worker ...` to `python -m kiviq.worker`.
     sub.add_parser("worker", help="serve jobs from Redis with a model (kiviq worker --help)", add_help=False)
+    # Likewise `kiviq serve ...` runs `python -m kiviq.gateway` (the client never imports the gateway).
+    sub.add_parser("serve", help="OpenAI-compatible HTTP API over the queue (kiviq serve --help; "
+                   "pip install 'kiviq[http]')", add_help=False)
 
     g = add("generate", help="submit one prompt and stream the answer",
             description="Submit one prompt and stream the answer to stdout; the job id goes to stderr. "
@@ -318,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["worker"] or argv[:2] == ["--debug", "worker"]:
         rest = argv[1:] if argv[0] == "worker" else [*argv[2:], "--debug"]
         os.execv(sys.executable, [sys.executable, "-m", "kiviq.worker", *rest])
+    if argv[:1] == ["serve"] or argv[:2] == ["--debug", "serve"]:
+        rest = argv[1:] if argv[0] == "serve" else [*argv[2:], "--debug"]
+        os.execv(sys.executable, [sys.executable, "-m", "kiviq.gateway", *rest])
     args = build_parser().parse_args(argv)
     try:
         if hasattr(args, "redis_url"):

@@ -2,8 +2,9 @@
 
 The public entry is the client: ``from kiviq import Client, AsyncClient``.
 The packages are ``kiviq.client``, ``kiviq.jobs``, ``kiviq.worker``,
-``kiviq.engine`` and ``kiviq.kernels``; in the repository they are the five
-top-level folders, which pyproject.toml maps to these dotted names.
+``kiviq.engine``, ``kiviq.kernels`` and ``kiviq.gateway`` (the HTTP API); in
+the repository they are the six top-level folders, which pyproject.toml maps
+to these dotted names.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os as _os
 __version__ = "0.2.0"
 
 # Running from a checkout without installing (PYTHONPATH=<repo>, as the GPU
-# machine does): the five packages sit beside this folder, not inside it.
+# machine does): the six packages sit beside this folder, not inside it.
 # An installed kiviq has them inside, and this adds nothing.
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if not _os.path.isdir(_os.path.join(__path__[0], "client")) and _os.path.isfile(

@@ -227,15 +227,38 @@ def test_ctrl_c_cancels_the_job_unless_detach(redis_url, redis_conn, detach):
     assert "Traceback" not in rest
 
 
+# --- kiviq serve (the HTTP gateway; subprocesses, as `kiviq serve` execs it) ---------
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--port", "http"], "--port"), (["--frobnicate"], "--frobnicate"), (["--port", "0"], "--port 0"),
+    (["--redis-url", "localhost:6379"], "must start with redis://"), (["--api-key", ""], "--api-key"),
+])
+def test_serve_bad_flag_is_one_line(flags, words):
+    proc = run_process("-m", "kiviq.client.cli", "serve", *flags)
+    line = assert_one_error_line(proc.stderr, "kiviq serve")
+    assert proc.returncode == 2 and words in line
+
+
+def test_serve_help_and_redacted_url_in_errors():
+    proc = run_process("-m", "kiviq.client.cli", "serve", "--help")
+    assert proc.returncode == 0 and "--api-key" in proc.stdout and "kiviq[http]" in proc.stdout
+    proc = run_process("-m", "kiviq.client.cli", "serve", "--redis-url", "http://u:s3cret@host/0")
+    assert proc.returncode == 2 and "s3cret" not in proc.stderr
+    assert "serve" in run_process("-m", "kiviq.client.cli", "--help").stdout
+
+
 # --- help ---------------------------------------------------------------------------
 
 
 def _parsers() -> list[argparse.ArgumentParser]:
+    from kiviq.gateway.cli import build_parser as serve_parser
     from kiviq.worker.cli import build_parser as worker_parser
 
     top = build_parser()
     sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
-    return [top, worker_parser(), *(p for name, p in sub.choices.items() if name != "worker")]
+    return [top, worker_parser(), serve_parser(),
+            *(p for name, p in sub.choices.items() if name not in ("worker", "serve"))]
 
 
 def test_every_option_says_its_default():
@@ -256,6 +279,7 @@ def test_every_option_says_its_default():
     ("kiviq demo", "--timeout", "seconds"), ("kiviq demo", "--max-tokens", "tokens"),
     ("kiviq worker", "--grace", "seconds"), ("kiviq worker", "--kv-memory", "bytes"),
     ("kiviq worker", "--kv-residual", "tokens"), ("kiviq worker", "--max-batch-tokens", "tokens"),
+    ("kiviq serve", "--request-timeout", "seconds"),
 ])
 def test_options_with_a_unit_say_it(prog, option, unit):
     parser = next(p for p in _parsers() if p.prog == prog)

@@ -1,5 +1,6 @@
 """The package layering, checked from the source: imports run one way,
-client -> jobs <- worker -> engine -> kernels, and the light packages never
+gateway -> client -> jobs <- worker -> engine -> kernels (nothing imports
+the gateway), and the light packages never
 pull in the heavy stacks (a client machine needs no mlx, a GPU host needs no
 redis to run the engine)."""
 
@@ -14,14 +15,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("client", "jobs", "worker", "engine", "kernels")
+PACKAGES = ("gateway", "client", "jobs", "worker", "engine", "kernels")
 # package -> the kiviq packages and third-party roots it must never import
 FORBIDDEN = {
-    "client": {"worker", "engine", "kernels", "mlx", "mlx_lm"},
-    "jobs": {"client", "worker", "engine", "kernels", "mlx", "mlx_lm"},
-    "worker": {"client"},
-    "engine": {"client", "jobs", "worker", "redis", "rq", "pydantic"},
-    "kernels": {"client", "jobs", "worker", "engine", "mlx_lm", "redis", "rq", "pydantic"},
+    "gateway": {"worker", "engine", "kernels", "mlx", "mlx_lm"},
+    "client": {"gateway", "worker", "engine", "kernels", "mlx", "mlx_lm", "starlette", "uvicorn", "fastapi"},
+    "jobs": {"gateway", "client", "worker", "engine", "kernels", "mlx", "mlx_lm", "starlette", "uvicorn"},
+    "worker": {"gateway", "client", "starlette", "uvicorn"},
+    "engine": {"gateway", "client", "jobs", "worker", "redis", "rq", "pydantic"},
+    "kernels": {"gateway", "client", "jobs", "worker", "engine", "mlx_lm", "redis", "rq", "pydantic"},
 }
 
 
@@ -49,6 +51,25 @@ def test_imports_run_one_way(package):
         if found:
             bad[str(path.relative_to(ROOT))] = sorted(found)
     assert not bad, f"{package}/ imports what it must not: {bad}"
+
+
+def test_the_gateway_loads_without_mlx_and_the_client_without_the_gateway(tmp_path):
+    pytest.importorskip("starlette")
+    out = _run("""
+        import sys
+        import kiviq.gateway.app, kiviq.gateway.cli
+        assert not any(m == "mlx" or m.startswith("mlx.") for m in sys.modules), "the gateway imported mlx"
+        import kiviq.client.cli
+        """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    out = _run("""
+        import sys
+        from kiviq import Client
+        import kiviq.client.cli, kiviq.client.bulk, kiviq.client.top
+        loaded = sorted(m for m in ("starlette", "uvicorn", "kiviq.gateway") if m in sys.modules)
+        assert not loaded, f"the client imported {loaded}"
+        """, tmp_path)
+    assert out.returncode == 0, out.stderr
 
 
 def test_the_checker_sees_function_level_imports(tmp_path):

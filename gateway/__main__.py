@@ -1,0 +1,7 @@
+"""``python -m kiviq.gateway``: what ``kiviq serve`` runs."""
+
+import sys
+
+from kiviq.gateway.cli import main
+
+sys.exit(main())
