@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from kiviq.engine.detokenizer import make_detokenizer
 from kiviq.engine.kv_store import KiviStore
-from kiviq.engine.model_runner import PREFILL_WIDTH_MULTIPLE, ModelRunner
+from kiviq.engine.model_runner import ModelRunner
 from kiviq.engine.request import Request, StepEvent, TokenLogprob
 from kiviq.engine.sampler import RowState, Sampled, sample
 from kiviq.engine.scheduler import Scheduler, pack_first_chunks
@@ -131,7 +131,7 @@ class Engine:
         first = [(s, n) for s, n in plan.prefill if s.prefilled == 0]
         later = [(s, n) for s, n in plan.prefill if s.prefilled > 0]
         for group in pack_first_chunks([n for _, n in first], self.scheduler.max_batch_tokens,
-                                       multiple=PREFILL_WIDTH_MULTIPLE):
+                                       multiple=self.runner.prefill_width_multiple):
             events += self._prefill_first([first[i] for i in group])
         for seq, n in later:
             events += self._prefill(seq, n)

@@ -31,7 +31,7 @@ def vocabulary_projection(model: nn.Module):
     return getattr(model, "lm_head", None)
 
 
-# Prefill forwards are padded to a multiple of this many tokens: MLX builds a cuDNN
+# On a GPU, prefill forwards are padded to a multiple of this many tokens: MLX builds a cuDNN
 # attention graph per (batch, length) shape, so a burst of prompts of scattered
 # lengths would build one per forward; padding (at most 63 tokens a row) makes
 # shapes repeat.
@@ -46,6 +46,8 @@ class ModelRunner:
         self.store = store
         self.attention = AttentionHook(model)
         self._split = vocabulary_projection(model)
+        # Only a GPU builds attention graphs per shape; on a CPU padding is pure cost.
+        self.prefill_width_multiple = PREFILL_WIDTH_MULTIPLE if mx.default_device() == mx.gpu else 1
         # Optional: decode steps replayed through mx.compile (engine.compiled_decode).
         self.compiled = CompiledDecode(model, store) if compile_decode else None
 
@@ -70,7 +72,8 @@ class ModelRunner:
             [B, V] logits after each chunk's last token.
         """
         lengths = [len(c) for c in chunks]
-        width = -(-max(lengths) // PREFILL_WIDTH_MULTIPLE) * PREFILL_WIDTH_MULTIPLE
+        m = self.prefill_width_multiple
+        width = -(-max(lengths) // m) * m
         batch = self.store.begin_prefill(seqs, lengths, width)
         tokens = mx.array([c + [0] * (width - len(c)) for c in chunks])
         caches = [KiviLayerCache(self.store, layer, seqs, prefill=batch) for layer in range(self.store.num_layers)]
