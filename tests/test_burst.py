@@ -17,7 +17,7 @@ from kiviq.client import Client
 from kiviq.jobs.keys import queue_name
 
 ROOT = Path(__file__).resolve().parents[1]
-N = int(os.environ.get("KIVIQ_BURST_JOBS", "2000"))
+N = int(os.environ.get("KIVIQ_BURST_JOBS", "400"))  # KIVIQ_BURST_JOBS=2000 for the full burst (~2 min more)
 
 
 def rss_mb(pid: int) -> float:

@@ -437,7 +437,7 @@ def test_a_restarted_gateway_resumes_unfinished_batches(gw_redis, gw_worker, tmp
 # Concurrent streams through one gateway. The load figure is 200; on a
 # 2-core CPU runner the worker alone needs ~100 s for 200 jobs, so the suite
 # runs fewer unless KIVIQ_GATEWAY_STREAMS asks for more.
-STREAMS = int(os.environ.get("KIVIQ_GATEWAY_STREAMS", "48"))
+STREAMS = int(os.environ.get("KIVIQ_GATEWAY_STREAMS", "24"))
 
 
 def test_concurrent_streams_lose_and_repeat_nothing(gateway, gw_redis):
