@@ -290,6 +290,10 @@ class BatchWorker(SimpleWorker):
 
     def _check_cancels(self) -> None:
         ids = list(self.active)
+        # One EXISTS over every flag answers the usual case (none) in one command;
+        # only then is each asked on its own.
+        if not ids or not self.connection.exists(*(cancel_flag(job_id) for job_id in ids)):
+            return
         with self.connection.pipeline(transaction=False) as pipe:
             for job_id in ids:
                 pipe.exists(cancel_flag(job_id))
