@@ -22,9 +22,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import anyio
-from redis import Redis
-from redis.asyncio import BlockingConnectionPool
-from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import AuthenticationError, RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -368,10 +365,8 @@ def create_app(redis_url: str, api_keys: Iterable[str] = (), **options: Any) -> 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        pool = BlockingConnectionPool.from_url(redis_url, max_connections=gateway.redis_max_connections,
-                                               timeout=POOL_WAIT_S)
-        sync = Redis.from_url(redis_url, max_connections=gateway.redis_max_connections)
-        gateway.client = AsyncClient(connection=AsyncRedis(connection_pool=pool), sync_connection=sync)
+        gateway.client = AsyncClient(redis_url, max_connections=gateway.redis_max_connections,
+                                     pool_timeout=POOL_WAIT_S)
         if gateway.batches is not None:
             resumed = await asyncio.to_thread(gateway.batches.resume)
             if resumed:
@@ -379,9 +374,7 @@ def create_app(redis_url: str, api_keys: Iterable[str] = (), **options: Any) -> 
         try:
             yield
         finally:
-            await gateway.client.aclose()
-            await pool.disconnect()
-            sync.close()
+            await gateway.client.aclose()  # closes both of its pools
 
     def route(path: str, endpoint, methods: list[str]) -> Route:
         return Route(path, guarded(gateway, endpoint), methods=methods)

@@ -251,6 +251,21 @@ def test_queue_full_is_429_with_retry_after(http, gw_redis):
     assert int(r.headers["retry-after"]) > 0
 
 
+def test_the_gateway_pool_is_its_own_size_and_wait(redis_server):
+    """The gateway's AsyncClient builds the pool, with the gateway's size and a
+    bounded wait (a stream past the limit gets a 503, not an endless wait)."""
+    from starlette.testclient import TestClient
+
+    from kiviq.gateway.app import POOL_WAIT_S, REDIS_MAX_CONNECTIONS
+
+    for options, size in (({}, REDIS_MAX_CONNECTIONS), ({"redis_max_connections": 3}, 3)):
+        with TestClient(create_app(redis_server, **options)) as c:
+            client = c.app.state.gateway.client
+            assert (client.redis.connection_pool.max_connections, client.redis.connection_pool.timeout) == (
+                size, POOL_WAIT_S)
+            assert client.sync.redis.connection_pool.max_connections == size
+
+
 def test_redis_unreachable_is_503_without_the_password(caplog):
     from starlette.testclient import TestClient
 
