@@ -28,43 +28,19 @@ import logging
 import os
 import threading
 import time
-import uuid
 from typing import Any
 
 from kiviq.client.bulk import run_bulk
 from kiviq.client.bulk_format import CHAT_URL, COMPLETIONS_URL, count_lines
 from kiviq.client.client import Client
 from kiviq.gateway.errors import APIError
+from kiviq.gateway.records import list_object, new_id, page, read_all, read_json, safe_id, write_json
 
 log = logging.getLogger("kiviq.gateway")
 
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 BATCH_TTL_S = 24 * 3600  # the only completion_window, "24h": expires_at is informational
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def _write_json(path: str, obj: dict[str, Any]) -> None:
-    """Atomically (a reader never sees half a record)."""
-    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
-
-
-def _read_json(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def _safe_id(value: str, prefix: str) -> bool:
-    return value.startswith(prefix + "-") and value[len(prefix) + 1:].isalnum()
 
 
 def count_records(path: str) -> tuple[int, int]:
@@ -107,24 +83,24 @@ class BatchStore:
     # ---- files ----------------------------------------------------------
 
     def _file_paths(self, file_id: str) -> tuple[str, str]:
-        if not _safe_id(file_id, "file"):
+        if not safe_id(file_id, "file"):
             raise APIError(404, f"no such file: {file_id!r}", param="file_id", code="not_found")
         return os.path.join(self.files_dir, file_id + ".json"), os.path.join(self.files_dir, file_id + ".jsonl")
 
     def add_file(self, content: bytes, filename: str, purpose: str) -> dict[str, Any]:
-        file_id = _new_id("file")
+        file_id = new_id("file")
         meta_path, data_path = self._file_paths(file_id)
         with open(data_path, "wb") as f:
             f.write(content)
         obj = {"id": file_id, "object": "file", "bytes": len(content), "created_at": int(time.time()),
                "filename": filename, "purpose": purpose, "status": "processed", "status_details": None,
                "expires_at": None}
-        _write_json(meta_path, obj)
+        write_json(meta_path, obj)
         return obj
 
     def get_file(self, file_id: str) -> dict[str, Any]:
         meta_path, _ = self._file_paths(file_id)
-        obj = _read_json(meta_path)
+        obj = read_json(meta_path)
         if obj is None:
             raise APIError(404, f"no such file: {file_id!r}", param="file_id", code="not_found")
         return obj
@@ -136,12 +112,12 @@ class BatchStore:
     # ---- batches --------------------------------------------------------
 
     def _batch_path(self, batch_id: str) -> str:
-        if not _safe_id(batch_id, "batch"):
+        if not safe_id(batch_id, "batch"):
             raise APIError(404, f"no such batch: {batch_id!r}", param="batch_id", code="not_found")
         return os.path.join(self.batches_dir, batch_id + ".json")
 
     def get_batch(self, batch_id: str) -> dict[str, Any]:
-        obj = _read_json(self._batch_path(batch_id))
+        obj = read_json(self._batch_path(batch_id))
         if obj is None:
             raise APIError(404, f"no such batch: {batch_id!r}", param="batch_id", code="not_found")
         if obj["status"] in ("in_progress", "cancelling"):  # live counts from the run's output
@@ -150,19 +126,9 @@ class BatchStore:
         return obj
 
     def list_batches(self, limit: int = 20, after: str | None = None) -> dict[str, Any]:
-        batches = []
-        for name in os.listdir(self.batches_dir):
-            if name.endswith(".json"):
-                obj = _read_json(os.path.join(self.batches_dir, name))
-                if obj is not None:
-                    batches.append(obj)
-        batches.sort(key=lambda b: (b["created_at"], b["id"]), reverse=True)  # newest first, as OpenAI
-        if after is not None:
-            ids = [b["id"] for b in batches]
-            batches = batches[ids.index(after) + 1:] if after in ids else []
-        page = [self.get_batch(b["id"]) for b in batches[:limit]]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(batches) > limit}
+        """Newest first, as OpenAI lists them."""
+        batches, has_more = page(read_all(self.batches_dir), limit, after)
+        return list_object([self.get_batch(b["id"]) for b in batches], has_more)
 
     def create_batch(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
@@ -194,7 +160,7 @@ class BatchStore:
             raise APIError(400, f"input_file_id: file {file_id} has purpose {file['purpose']!r}, not 'batch'",
                            param="input_file_id", code="invalid_value")
         now = int(time.time())
-        batch = {"id": _new_id("batch"), "object": "batch", "endpoint": endpoint, "errors": None,
+        batch = {"id": new_id("batch"), "object": "batch", "endpoint": endpoint, "errors": None,
                  "input_file_id": file_id, "completion_window": "24h", "status": "validating",
                  "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
                  "expires_at": now + BATCH_TTL_S, "finalizing_at": None, "completed_at": None, "failed_at": None,
@@ -224,12 +190,10 @@ class BatchStore:
     def resume(self) -> list[str]:
         """Start every unfinished batch found in the directory (after a restart)."""
         resumed = []
-        for name in sorted(os.listdir(self.batches_dir)):
-            if name.endswith(".json"):
-                batch = _read_json(os.path.join(self.batches_dir, name))
-                if batch is not None and batch["status"] in UNFINISHED:
-                    self._start(batch["id"])
-                    resumed.append(batch["id"])
+        for batch in sorted(read_all(self.batches_dir), key=lambda b: b["id"]):
+            if batch["status"] in UNFINISHED:
+                self._start(batch["id"])
+                resumed.append(batch["id"])
         return resumed
 
     # ---- running --------------------------------------------------------
@@ -238,11 +202,11 @@ class BatchStore:
         return os.path.join(self.batches_dir, batch_id + ".out")
 
     def _save(self, batch: dict[str, Any]) -> None:
-        _write_json(self._batch_path(batch["id"]), batch)
+        write_json(self._batch_path(batch["id"]), batch)
 
     def _update(self, batch_id: str, **fields: Any) -> dict[str, Any]:
         with self._lock:
-            batch = _read_json(self._batch_path(batch_id))
+            batch = read_json(self._batch_path(batch_id))
             if batch["status"] == "cancelling" and fields.get("status") == "in_progress":
                 fields.pop("status")
             batch.update(fields)
@@ -261,7 +225,7 @@ class BatchStore:
 
     def _run(self, batch_id: str, cancel: threading.Event) -> None:
         try:
-            batch = _read_json(self._batch_path(batch_id))
+            batch = read_json(self._batch_path(batch_id))
             in_path = self.file_content_path(batch["input_file_id"])
             if batch["status"] == "cancelling":
                 cancel.set()
@@ -299,7 +263,7 @@ class BatchStore:
         now = int(time.time())
         done = {"cancelled_at": now, "status": "cancelled"} if cancelled else {"completed_at": now,
                                                                               "status": "completed"}
-        batch = _read_json(self._batch_path(batch_id))
+        batch = read_json(self._batch_path(batch_id))
         self._update(batch_id, output_file_id=output and output["id"], error_file_id=errors and errors["id"],
                      request_counts={"total": batch["request_counts"]["total"], "completed": len(ok_lines),
                                      "failed": len(error_lines)}, **done)
