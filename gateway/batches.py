@@ -23,6 +23,7 @@ that created it (or resumed it after a restart).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -109,6 +110,31 @@ class BatchStore:
         self.get_file(file_id)
         return self._file_paths(file_id)[1]
 
+    def list_files(self, purpose: str | None = None, limit: int = 10_000, after: str | None = None,
+                   order: str = "desc") -> dict[str, Any]:
+        """Uploaded files and batch outputs (``purpose`` keeps one kind), newest first by default."""
+        files = [f for f in read_all(self.files_dir) if purpose is None or f["purpose"] == purpose]
+        return list_object(*page(files, limit, after, order))
+
+    def delete_file(self, file_id: str) -> dict[str, Any]:
+        """Delete a file, unless an unfinished batch reads it: that batch would
+        fail at its next resume (a gateway restart needs the input again)."""
+        with self._lock:  # create_batch takes its input under the same lock
+            self.get_file(file_id)
+            for batch in read_all(self.batches_dir):
+                if batch.get("input_file_id") == file_id and batch["status"] in UNFINISHED:
+                    raise APIError(409, f"file {file_id} is the input of batch {batch['id']}, which is "
+                                        f"{batch['status']}; delete the file once the batch has ended (or "
+                                        "cancel the batch)", param="file_id", code="file_in_use")
+            meta_path, data_path = self._file_paths(file_id)
+            try:
+                os.remove(meta_path)  # first: a reader never finds a file object without its content
+            except FileNotFoundError:  # another gateway on this directory deleted it just now
+                raise APIError(404, f"no such file: {file_id!r}", param="file_id", code="not_found") from None
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(data_path)
+        return {"id": file_id, "object": "file", "deleted": True}
+
     # ---- batches --------------------------------------------------------
 
     def _batch_path(self, batch_id: str) -> str:
@@ -152,6 +178,14 @@ class BatchStore:
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str):
             raise APIError(400, "input_file_id: required (a file id)", param="input_file_id", code="invalid_value")
+        with self._lock:  # the input file is not deleted between this check and the batch's record
+            self._check_input_file(file_id)
+            batch = self._new_batch(file_id, endpoint, metadata)
+            self._save(batch)
+        self._start(batch["id"])
+        return batch
+
+    def _check_input_file(self, file_id: str) -> None:
         try:
             file = self.get_file(file_id)
         except APIError:
@@ -159,16 +193,16 @@ class BatchStore:
         if file["purpose"] != "batch":
             raise APIError(400, f"input_file_id: file {file_id} has purpose {file['purpose']!r}, not 'batch'",
                            param="input_file_id", code="invalid_value")
+
+    @staticmethod
+    def _new_batch(file_id: str, endpoint: str, metadata: dict[str, str] | None) -> dict[str, Any]:
         now = int(time.time())
-        batch = {"id": new_id("batch"), "object": "batch", "endpoint": endpoint, "errors": None,
-                 "input_file_id": file_id, "completion_window": "24h", "status": "validating",
-                 "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
-                 "expires_at": now + BATCH_TTL_S, "finalizing_at": None, "completed_at": None, "failed_at": None,
-                 "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
-        self._save(batch)
-        self._start(batch["id"])
-        return batch
+        return {"id": new_id("batch"), "object": "batch", "endpoint": endpoint, "errors": None,
+                "input_file_id": file_id, "completion_window": "24h", "status": "validating",
+                "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
+                "expires_at": now + BATCH_TTL_S, "finalizing_at": None, "completed_at": None, "failed_at": None,
+                "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+                "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
 
     def cancel_batch(self, batch_id: str) -> dict[str, Any]:
         with self._lock:

@@ -396,18 +396,52 @@ def test_batch_round_trip(oai, http):
                          400, "purpose")
 
 
-def test_cancel_a_running_batch(oai, gw_redis):
+def test_list_and_delete_files(oai, http):
+    a, b, c = (oai.files.create(file=(f"{name}.jsonl", _jsonl([{"custom_id": name, "prompt": "hi"}])),
+                                purpose="batch") for name in "abc")
+    ours = {a.id, b.id, c.id}
+    newest_first = [f.id for f in oai.files.list()]
+    assert [i for i in newest_first if i in ours] == [c.id, b.id, a.id]
+    assert [f.id for f in oai.files.list(order="asc") if f.id in ours] == [a.id, b.id, c.id]
+    first = oai.files.list(limit=2)
+    assert len(first.data) == 2 and first.has_more == (len(newest_first) > 2)
+    assert [f.id for f in first] == newest_first  # the SDK pages on with after=<last id>
+    assert all(f.purpose == "batch_output" for f in oai.files.list(purpose="batch_output"))
+    assert ours <= {f.id for f in oai.files.list(purpose="batch")}
+    raw = http.get("/v1/files", params={"purpose": "no-such-purpose"}).json()
+    assert raw == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
+
+    deleted = oai.files.delete(b.id)
+    assert (deleted.id, deleted.object, deleted.deleted) == (b.id, "file", True)
+    assert [f.id for f in oai.files.list() if f.id in ours] == [c.id, a.id]
+    with pytest.raises(openai.NotFoundError):
+        oai.files.retrieve(b.id)
+    assert _assert_openai_error(http.delete(f"/v1/files/{b.id}"), 404, "file_id")["code"] == "not_found"
+    _assert_openai_error(http.get(f"/v1/files/{b.id}/content"), 404)
+    _assert_openai_error(http.delete("/v1/files/..%2F..%2Fetc%2Fpasswd"), 404)
+    _assert_openai_error(http.get("/v1/files", params={"limit": 0}), 400, "limit")
+    _assert_openai_error(http.get("/v1/files", params={"limit": "many"}), 400, "limit")
+    _assert_openai_error(http.get("/v1/files", params={"order": "sideways"}), 400, "order")
+    assert oai.files.retrieve(a.id).id == a.id and oai.files.content(c.id).text  # the others are untouched
+
+
+def test_cancel_a_running_batch_whose_input_cannot_be_deleted_meanwhile(oai, gw_redis):
     lines = [{"custom_id": f"long{i}", "method": "POST", "url": "/v1/chat/completions",
               "body": {"messages": [{"role": "user", "content": "Write a long story about a ship."}],
                        "max_tokens": 3000}} for i in range(6)]
     f = oai.files.create(file=("long.jsonl", _jsonl(lines)), purpose="batch")
     batch = oai.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     _wait_batch(oai, batch.id, ("in_progress",))
+    with pytest.raises(openai.ConflictError) as refused:  # a resumed batch would need it again
+        oai.files.delete(f.id)
+    assert refused.value.status_code == 409 and refused.value.code == "file_in_use" and batch.id in str(refused.value)
+    assert oai.files.retrieve(f.id).id == f.id and oai.batches.retrieve(batch.id).status == "in_progress"
     time.sleep(1.0)  # its first jobs are running
     assert oai.batches.cancel(batch.id).status == "cancelling"
     batch = _wait_batch(oai, batch.id, ("cancelled",), timeout=60)
     assert batch.request_counts.total == 6 and batch.request_counts.completed < 6
     assert batch.cancelled_at is not None
+    assert oai.files.delete(f.id).deleted  # the batch has ended: its input may go
     # the worker is free again: a short request answers at once
     started = time.monotonic()
     oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
