@@ -153,6 +153,13 @@ class AsyncClient:
             rq, which is synchronous: it uses a sync client made from this
             connection's parameters, or ``sync_connection`` when given.
         sync_connection: the sync redis-py client for rq (optional).
+        max_connections: most connections the client opens to Redis from
+            ``redis_url``, per pool (async and sync). Each running stream holds
+            one async connection (its pub/sub) for its whole life.
+        pool_timeout: seconds a command waits for a free async connection
+            when all ``max_connections`` are in use, then raises redis'
+            ``ConnectionError``; None waits as long as it takes. Both are
+            ignored with ``connection`` (its pool is the caller's).
         **client_options: passed to the sync ``Client`` (e.g. ``max_queued``).
 
     Use as ``async with AsyncClient(url) as client: ...`` or call
@@ -160,7 +167,8 @@ class AsyncClient:
     """
 
     def __init__(self, redis_url: str | None = None, *, connection: AsyncRedis | None = None,
-                 sync_connection: Redis | None = None, **client_options: Any):
+                 sync_connection: Redis | None = None, max_connections: int = MAX_CONNECTIONS,
+                 pool_timeout: float | None = None, **client_options: Any):
         if connection is not None:
             self.redis = connection
             self._owns_redis = False
@@ -172,9 +180,10 @@ class AsyncClient:
             # for one to free up where redis-py's default pool raised
             # MaxConnectionsError past ~100 concurrent streams.
             self.redis = AsyncRedis.from_pool(BlockingConnectionPool.from_url(
-                url, max_connections=MAX_CONNECTIONS, timeout=None))
+                url, max_connections=max_connections, timeout=pool_timeout))
             self._owns_redis = True
-            sync = sync_connection if sync_connection is not None else Redis.from_url(url)
+            sync = sync_connection if sync_connection is not None else Redis.from_url(
+                url, max_connections=max_connections)
             self._owns_sync = sync_connection is None
         self.sync = Client(connection=sync, **client_options)
 

@@ -160,10 +160,6 @@ class KiviStore:
         """Bytes of all blocks and tails the store owns."""
         return self.blocks.budget_bytes()
 
-    def block_tables(self, seqs: list[SequenceKV], num_blocks: list[int]) -> mx.array:
-        """int32 [B, W] (see DecodeBatch): each sequence's block ids, zeros after."""
-        return mx.array(self.blocks.block_tables(seqs, num_blocks, self.table_width_multiple))
-
     # ---- writes ----------------------------------------------------------
 
     def _write_blocks(self, pool: KiviPool, ids: list[int] | mx.array, k: mx.array, v: mx.array) -> None:

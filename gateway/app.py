@@ -22,9 +22,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import anyio
-from redis import Redis
-from redis.asyncio import BlockingConnectionPool
-from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import AuthenticationError, RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -39,6 +36,7 @@ from kiviq.client.streaming import JobFailed, TextDeltas
 from kiviq.client.top import read_worker_stats
 from kiviq.gateway.batches import BatchStore
 from kiviq.gateway.errors import APIError, error_body
+from kiviq.gateway.records import ORDERS
 from kiviq.gateway.responses import ChunkWriter, response_body
 from kiviq.gateway.schemas import parse_request
 from kiviq.jobs.models import EventType, GenerateRequest, TokenLogprob
@@ -56,6 +54,10 @@ OPEN_PATHS = ("/health", "/ready")  # probes need no key
 # past the limit a new request waits up to POOL_WAIT_S for one, then gets a 503.
 REDIS_MAX_CONNECTIONS = 2048
 POOL_WAIT_S = 30.0
+# The most a list answers at once (OpenAI's limits: GET /v1/files 10,000, its
+# default; GET /v1/batches 100, default 20).
+FILES_PAGE_LIMIT = 10_000
+BATCHES_PAGE_LIMIT = 100
 
 
 class Gateway:
@@ -230,6 +232,19 @@ class Gateway:
     async def get_file(self, request: Request) -> Response:
         return JSONResponse(await asyncio.to_thread(self._store().get_file, request.path_params["file_id"]))
 
+    async def list_files(self, request: Request) -> Response:
+        store = self._store()
+        order = request.query_params.get("order", "desc")
+        if order not in ORDERS:
+            raise APIError(400, f"order: must be 'asc' or 'desc', got {order!r}", param="order",
+                           code="invalid_value")
+        return JSONResponse(await asyncio.to_thread(
+            store.list_files, request.query_params.get("purpose"), _limit(request, FILES_PAGE_LIMIT),
+            request.query_params.get("after"), order))
+
+    async def delete_file(self, request: Request) -> Response:
+        return JSONResponse(await asyncio.to_thread(self._store().delete_file, request.path_params["file_id"]))
+
     async def file_content(self, request: Request) -> Response:
         path = await asyncio.to_thread(self._store().file_content_path, request.path_params["file_id"])
         return FileResponse(path, media_type="application/jsonl")
@@ -244,16 +259,26 @@ class Gateway:
 
     async def list_batches(self, request: Request) -> Response:
         store = self._store()
-        try:
-            limit = int(request.query_params.get("limit", "20"))
-            if not 1 <= limit <= 100:
-                raise ValueError
-        except ValueError:
-            raise APIError(400, "limit: must be an integer 1..100", param="limit", code="invalid_value") from None
+        limit = _limit(request, BATCHES_PAGE_LIMIT, default=20)
         return JSONResponse(await asyncio.to_thread(store.list_batches, limit, request.query_params.get("after")))
 
     async def cancel_batch(self, request: Request) -> Response:
         return JSONResponse(await asyncio.to_thread(self._store().cancel_batch, request.path_params["batch_id"]))
+
+
+def _limit(request: Request, maximum: int, default: int | None = None) -> int:
+    """A list's ``limit`` query parameter, 1..maximum (absent: ``default``, else ``maximum``)."""
+    raw = request.query_params.get("limit")
+    if raw is None:
+        return maximum if default is None else default
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= maximum:
+        raise APIError(400, f"limit: must be an integer 1..{maximum}, got {raw!r}", param="limit",
+                       code="invalid_value")
+    return limit
 
 
 def _model_object(model: str) -> dict[str, Any]:
@@ -368,10 +393,8 @@ def create_app(redis_url: str, api_keys: Iterable[str] = (), **options: Any) -> 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        pool = BlockingConnectionPool.from_url(redis_url, max_connections=gateway.redis_max_connections,
-                                               timeout=POOL_WAIT_S)
-        sync = Redis.from_url(redis_url, max_connections=gateway.redis_max_connections)
-        gateway.client = AsyncClient(connection=AsyncRedis(connection_pool=pool), sync_connection=sync)
+        gateway.client = AsyncClient(redis_url, max_connections=gateway.redis_max_connections,
+                                     pool_timeout=POOL_WAIT_S)
         if gateway.batches is not None:
             resumed = await asyncio.to_thread(gateway.batches.resume)
             if resumed:
@@ -379,9 +402,7 @@ def create_app(redis_url: str, api_keys: Iterable[str] = (), **options: Any) -> 
         try:
             yield
         finally:
-            await gateway.client.aclose()
-            await pool.disconnect()
-            sync.close()
+            await gateway.client.aclose()  # closes both of its pools
 
     def route(path: str, endpoint, methods: list[str]) -> Route:
         return Route(path, guarded(gateway, endpoint), methods=methods)
@@ -394,7 +415,9 @@ def create_app(redis_url: str, api_keys: Iterable[str] = (), **options: Any) -> 
         route("/v1/chat/completions", gateway.chat_completions, ["POST"]),
         route("/v1/completions", gateway.completions, ["POST"]),
         route("/v1/files", gateway.upload_file, ["POST"]),
+        route("/v1/files", gateway.list_files, ["GET"]),
         route("/v1/files/{file_id}", gateway.get_file, ["GET"]),
+        route("/v1/files/{file_id}", gateway.delete_file, ["DELETE"]),
         route("/v1/files/{file_id}/content", gateway.file_content, ["GET"]),
         route("/v1/batches", gateway.create_batch, ["POST"]),
         route("/v1/batches", gateway.list_batches, ["GET"]),

@@ -23,48 +23,25 @@ that created it (or resumed it after a restart).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import threading
 import time
-import uuid
 from typing import Any
 
 from kiviq.client.bulk import run_bulk
 from kiviq.client.bulk_format import CHAT_URL, COMPLETIONS_URL, count_lines
 from kiviq.client.client import Client
 from kiviq.gateway.errors import APIError
+from kiviq.gateway.records import list_object, new_id, page, read_all, read_json, safe_id, write_json
 
 log = logging.getLogger("kiviq.gateway")
 
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 BATCH_TTL_S = 24 * 3600  # the only completion_window, "24h": expires_at is informational
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def _write_json(path: str, obj: dict[str, Any]) -> None:
-    """Atomically (a reader never sees half a record)."""
-    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
-
-
-def _read_json(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def _safe_id(value: str, prefix: str) -> bool:
-    return value.startswith(prefix + "-") and value[len(prefix) + 1:].isalnum()
 
 
 def count_records(path: str) -> tuple[int, int]:
@@ -107,24 +84,24 @@ class BatchStore:
     # ---- files ----------------------------------------------------------
 
     def _file_paths(self, file_id: str) -> tuple[str, str]:
-        if not _safe_id(file_id, "file"):
+        if not safe_id(file_id, "file"):
             raise APIError(404, f"no such file: {file_id!r}", param="file_id", code="not_found")
         return os.path.join(self.files_dir, file_id + ".json"), os.path.join(self.files_dir, file_id + ".jsonl")
 
     def add_file(self, content: bytes, filename: str, purpose: str) -> dict[str, Any]:
-        file_id = _new_id("file")
+        file_id = new_id("file")
         meta_path, data_path = self._file_paths(file_id)
         with open(data_path, "wb") as f:
             f.write(content)
         obj = {"id": file_id, "object": "file", "bytes": len(content), "created_at": int(time.time()),
                "filename": filename, "purpose": purpose, "status": "processed", "status_details": None,
                "expires_at": None}
-        _write_json(meta_path, obj)
+        write_json(meta_path, obj)
         return obj
 
     def get_file(self, file_id: str) -> dict[str, Any]:
         meta_path, _ = self._file_paths(file_id)
-        obj = _read_json(meta_path)
+        obj = read_json(meta_path)
         if obj is None:
             raise APIError(404, f"no such file: {file_id!r}", param="file_id", code="not_found")
         return obj
@@ -133,15 +110,40 @@ class BatchStore:
         self.get_file(file_id)
         return self._file_paths(file_id)[1]
 
+    def list_files(self, purpose: str | None = None, limit: int = 10_000, after: str | None = None,
+                   order: str = "desc") -> dict[str, Any]:
+        """Uploaded files and batch outputs (``purpose`` keeps one kind), newest first by default."""
+        files = [f for f in read_all(self.files_dir) if purpose is None or f["purpose"] == purpose]
+        return list_object(*page(files, limit, after, order))
+
+    def delete_file(self, file_id: str) -> dict[str, Any]:
+        """Delete a file, unless an unfinished batch reads it: that batch would
+        fail at its next resume (a gateway restart needs the input again)."""
+        with self._lock:  # create_batch takes its input under the same lock
+            self.get_file(file_id)
+            for batch in read_all(self.batches_dir):
+                if batch.get("input_file_id") == file_id and batch["status"] in UNFINISHED:
+                    raise APIError(409, f"file {file_id} is the input of batch {batch['id']}, which is "
+                                        f"{batch['status']}; delete the file once the batch has ended (or "
+                                        "cancel the batch)", param="file_id", code="file_in_use")
+            meta_path, data_path = self._file_paths(file_id)
+            try:
+                os.remove(meta_path)  # first: a reader never finds a file object without its content
+            except FileNotFoundError:  # another gateway on this directory deleted it just now
+                raise APIError(404, f"no such file: {file_id!r}", param="file_id", code="not_found") from None
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(data_path)
+        return {"id": file_id, "object": "file", "deleted": True}
+
     # ---- batches --------------------------------------------------------
 
     def _batch_path(self, batch_id: str) -> str:
-        if not _safe_id(batch_id, "batch"):
+        if not safe_id(batch_id, "batch"):
             raise APIError(404, f"no such batch: {batch_id!r}", param="batch_id", code="not_found")
         return os.path.join(self.batches_dir, batch_id + ".json")
 
     def get_batch(self, batch_id: str) -> dict[str, Any]:
-        obj = _read_json(self._batch_path(batch_id))
+        obj = read_json(self._batch_path(batch_id))
         if obj is None:
             raise APIError(404, f"no such batch: {batch_id!r}", param="batch_id", code="not_found")
         if obj["status"] in ("in_progress", "cancelling"):  # live counts from the run's output
@@ -150,19 +152,9 @@ class BatchStore:
         return obj
 
     def list_batches(self, limit: int = 20, after: str | None = None) -> dict[str, Any]:
-        batches = []
-        for name in os.listdir(self.batches_dir):
-            if name.endswith(".json"):
-                obj = _read_json(os.path.join(self.batches_dir, name))
-                if obj is not None:
-                    batches.append(obj)
-        batches.sort(key=lambda b: (b["created_at"], b["id"]), reverse=True)  # newest first, as OpenAI
-        if after is not None:
-            ids = [b["id"] for b in batches]
-            batches = batches[ids.index(after) + 1:] if after in ids else []
-        page = [self.get_batch(b["id"]) for b in batches[:limit]]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(batches) > limit}
+        """Newest first, as OpenAI lists them."""
+        batches, has_more = page(read_all(self.batches_dir), limit, after)
+        return list_object([self.get_batch(b["id"]) for b in batches], has_more)
 
     def create_batch(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
@@ -186,6 +178,14 @@ class BatchStore:
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str):
             raise APIError(400, "input_file_id: required (a file id)", param="input_file_id", code="invalid_value")
+        with self._lock:  # the input file is not deleted between this check and the batch's record
+            self._check_input_file(file_id)
+            batch = self._new_batch(file_id, endpoint, metadata)
+            self._save(batch)
+        self._start(batch["id"])
+        return batch
+
+    def _check_input_file(self, file_id: str) -> None:
         try:
             file = self.get_file(file_id)
         except APIError:
@@ -193,16 +193,16 @@ class BatchStore:
         if file["purpose"] != "batch":
             raise APIError(400, f"input_file_id: file {file_id} has purpose {file['purpose']!r}, not 'batch'",
                            param="input_file_id", code="invalid_value")
+
+    @staticmethod
+    def _new_batch(file_id: str, endpoint: str, metadata: dict[str, str] | None) -> dict[str, Any]:
         now = int(time.time())
-        batch = {"id": _new_id("batch"), "object": "batch", "endpoint": endpoint, "errors": None,
-                 "input_file_id": file_id, "completion_window": "24h", "status": "validating",
-                 "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
-                 "expires_at": now + BATCH_TTL_S, "finalizing_at": None, "completed_at": None, "failed_at": None,
-                 "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
-        self._save(batch)
-        self._start(batch["id"])
-        return batch
+        return {"id": new_id("batch"), "object": "batch", "endpoint": endpoint, "errors": None,
+                "input_file_id": file_id, "completion_window": "24h", "status": "validating",
+                "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
+                "expires_at": now + BATCH_TTL_S, "finalizing_at": None, "completed_at": None, "failed_at": None,
+                "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+                "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
 
     def cancel_batch(self, batch_id: str) -> dict[str, Any]:
         with self._lock:
@@ -224,12 +224,10 @@ class BatchStore:
     def resume(self) -> list[str]:
         """Start every unfinished batch found in the directory (after a restart)."""
         resumed = []
-        for name in sorted(os.listdir(self.batches_dir)):
-            if name.endswith(".json"):
-                batch = _read_json(os.path.join(self.batches_dir, name))
-                if batch is not None and batch["status"] in UNFINISHED:
-                    self._start(batch["id"])
-                    resumed.append(batch["id"])
+        for batch in sorted(read_all(self.batches_dir), key=lambda b: b["id"]):
+            if batch["status"] in UNFINISHED:
+                self._start(batch["id"])
+                resumed.append(batch["id"])
         return resumed
 
     # ---- running --------------------------------------------------------
@@ -238,11 +236,11 @@ class BatchStore:
         return os.path.join(self.batches_dir, batch_id + ".out")
 
     def _save(self, batch: dict[str, Any]) -> None:
-        _write_json(self._batch_path(batch["id"]), batch)
+        write_json(self._batch_path(batch["id"]), batch)
 
     def _update(self, batch_id: str, **fields: Any) -> dict[str, Any]:
         with self._lock:
-            batch = _read_json(self._batch_path(batch_id))
+            batch = read_json(self._batch_path(batch_id))
             if batch["status"] == "cancelling" and fields.get("status") == "in_progress":
                 fields.pop("status")
             batch.update(fields)
@@ -261,7 +259,7 @@ class BatchStore:
 
     def _run(self, batch_id: str, cancel: threading.Event) -> None:
         try:
-            batch = _read_json(self._batch_path(batch_id))
+            batch = read_json(self._batch_path(batch_id))
             in_path = self.file_content_path(batch["input_file_id"])
             if batch["status"] == "cancelling":
                 cancel.set()
@@ -299,7 +297,7 @@ class BatchStore:
         now = int(time.time())
         done = {"cancelled_at": now, "status": "cancelled"} if cancelled else {"completed_at": now,
                                                                               "status": "completed"}
-        batch = _read_json(self._batch_path(batch_id))
+        batch = read_json(self._batch_path(batch_id))
         self._update(batch_id, output_file_id=output and output["id"], error_file_id=errors and errors["id"],
                      request_counts={"total": batch["request_counts"]["total"], "completed": len(ok_lines),
                                      "failed": len(error_lines)}, **done)

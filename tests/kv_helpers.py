@@ -30,7 +30,7 @@ def decode_attend(store: KiviStore, layer: int, seqs: list[SequenceKV], q: mx.ar
     blocks = [s.blocks_used[layer] for s in seqs]
     return dispatch_decode_attend(
         q, store.pools[layer],
-        store.block_tables(seqs, blocks),
+        mx.array(store.blocks.block_tables(seqs, blocks, store.table_width_multiple)),
         mx.array(blocks, dtype=mx.int32),
         mx.array([s.slot for s in seqs], dtype=mx.int32),
         mx.array([s.tail_lens[layer] for s in seqs], dtype=mx.int32),

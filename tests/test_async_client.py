@@ -186,3 +186,30 @@ def test_many_concurrent_streams_share_a_bounded_pool(redis_url, redis_conn):
 
     results = asyncio.run(main())
     assert [len(r) for r in results] == [2] * n
+
+
+def test_pool_size_and_wait_timeout_are_the_callers(redis_url):
+    """With every connection held by a stream, a command waits ``pool_timeout``
+    seconds for one, then fails; by default the pool is MAX_CONNECTIONS
+    wide and a command waits as long as it takes."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from kiviq.client.async_client import MAX_CONNECTIONS
+
+    async def main():
+        async with AsyncClient(redis_url) as default:
+            pool = default.redis.connection_pool
+            assert (pool.max_connections, pool.timeout) == (MAX_CONNECTIONS, None)
+            assert default.sync.redis.connection_pool.max_connections == MAX_CONNECTIONS
+        async with AsyncClient(redis_url, max_connections=1, pool_timeout=0.3) as client:
+            pubsub = client.redis.pubsub()
+            await pubsub.subscribe("held")  # holds the only connection, as a stream does
+            started = time.monotonic()
+            with pytest.raises(RedisConnectionError):
+                await client.redis.get("anything")
+            waited = time.monotonic() - started
+            await pubsub.aclose()
+            assert await client.redis.get("anything") is None  # free again
+            return waited
+
+    assert 0.25 < asyncio.run(main()) < 3
