@@ -35,9 +35,9 @@ _PUBLISH = Script(None, _PUBLISH_SCRIPT.encode())
 class EventPublisher:
     """Appends events to each job's replay log and publishes them live.
 
-    One round trip and one command per step, whatever the batch: a pipeline of
-    four commands per event cost the worker ~3 ms of Python per step at 64
-    sequences (docs/performance.md), time a host-bound decode step waits for.
+    One round trip and one command per step, whatever the batch: redis-py's
+    work grows with the commands it packs, and the worker does it between two
+    host-bound decode steps (docs/performance.md, "The worker's Redis work").
     """
 
     def __init__(self, redis: Redis):
