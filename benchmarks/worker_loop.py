@@ -1,0 +1,153 @@
+"""The worker's own cost per engine step: ``BatchWorker.serve`` around an engine
+that costs nothing.
+
+Through the service a decode step takes longer than in the raw engine (on the
+H200, 19.9 ms against 11.2 at 64 sequences: docs/performance.md). The difference
+is what the worker does on the engine's thread between steps: events, Redis
+(publishing, cancel flags, claims, heartbeats), metrics, rq bookkeeping. This
+runs the real worker, with a real Redis server it starts itself, on jobs
+submitted through the real client, but with a stand-in engine whose step
+returns one token for every active request at once: the wall time per step is
+then the worker's own. ``--engine-ms`` makes each step wait that long with the
+GIL released (as MLX's evaluation does), to see what the worker's other threads
+do meanwhile.
+
+    python benchmarks/worker_loop.py --jobs 64 --gen 256
+    python benchmarks/worker_loop.py --jobs 64 --gen 256 --profile    # where the time goes
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from redis import Redis  # noqa: E402
+
+from benchmarks.common import command, table  # noqa: E402
+from kiviq import Client  # noqa: E402
+from kiviq.client.local_redis import start_redis  # noqa: E402
+from kiviq.engine.request import StepEvent  # noqa: E402
+from kiviq.worker.metrics import WorkerMetrics  # noqa: E402
+from kiviq.worker.service import BatchWorker  # noqa: E402
+
+
+class ByteTokenizer:
+    """Prompts as bytes; every token is one character of text."""
+
+    eos_token_ids: set = set()
+    bos_token = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i % 128 for i in ids).decode()
+
+
+class FreeEngine:
+    """An engine whose step costs nothing (or ``engine_ms`` of GIL-free
+    waiting): one token, " a", for every active request, until its max_tokens."""
+
+    def __init__(self, capacity: int, engine_ms: float):
+        self.tokenizer = ByteTokenizer()
+        self.model = SimpleNamespace(args=SimpleNamespace(max_position_embeddings=8192))
+        self.capacity = capacity
+        self.engine_ms = engine_ms
+        self._left: dict[str, int] = {}
+        self.steps = 0
+        self.started: list[float] = []  # perf_counter() as each step began
+        self.stats = {"decode_tokens": 0, "prefill_tokens": 0, "preemptions": 0}
+
+    @property
+    def num_active(self) -> int:
+        return len(self._left)
+
+    def add(self, request) -> None:
+        self._left[request.request_id] = request.max_tokens
+
+    def abort(self, request_id: str) -> bool:
+        return self._left.pop(request_id, None) is not None
+
+    def step(self) -> list[StepEvent]:
+        self.started.append(time.perf_counter())
+        if self.engine_ms:
+            time.sleep(self.engine_ms / 1e3)
+        self.steps += 1
+        events = []
+        for rid in list(self._left):
+            self._left[rid] -= 1
+            done = self._left[rid] == 0
+            if done:
+                del self._left[rid]
+            events.append(StepEvent(rid, [97], " a", finish_reason="length" if done else None))
+        self.stats["decode_tokens"] += len(events)
+        return events
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--jobs", type=int, default=64, help="jobs, all running at once")
+    p.add_argument("--gen", type=int, default=256, help="tokens per job (engine steps)")
+    p.add_argument("--engine-ms", type=float, default=0.0, dest="engine_ms",
+                   help="GIL-free wait per engine step (MLX's evaluation releases the GIL)")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="cProfile the last run: the worker's functions")
+    args = p.parse_args()
+    url, stop, kind = start_redis()
+    rows, profile = [], None
+    try:
+        client = Client(url)
+        listener = Redis.from_url(url).pubsub()
+        listener.psubscribe("*")  # a subscriber on every channel, as streaming clients are
+        for run in range(args.runs):
+            for _ in range(args.jobs):
+                client.submit("Tell me about the sea.", max_tokens=args.gen)
+            engine = FreeEngine(args.jobs, args.engine_ms)
+            worker = BatchWorker(engine, Redis.from_url(url), max_active=args.jobs, metrics=WorkerMetrics())
+            if args.profile and run == args.runs - 1:
+                import cProfile
+
+                profile = cProfile.Profile()
+                profile.enable()
+            t0 = time.perf_counter()
+            ended = worker.serve(burst=True, logging_level="WARNING")
+            wall = time.perf_counter() - t0
+            if profile is not None:
+                profile.disable()
+            while listener.get_message(timeout=0):
+                pass
+            if ended != args.jobs or not engine.steps:
+                raise SystemExit(f"run {run}: {ended} jobs ended in {engine.steps} steps, not {args.jobs}")
+            # Steady state: every job running, none admitted or ending (a tenth cut off each end).
+            gaps = [(b - a) * 1e3 - args.engine_ms for a, b in zip(engine.started, engine.started[1:])]
+            cut = max(1, len(gaps) // 10)
+            gaps = sorted(gaps[cut:-cut])
+            rows.append([run + 1, engine.steps, f"{wall:.2f}",
+                         f"{gaps[0]:.2f} / {statistics.median(gaps):.2f} / {gaps[-1]:.2f}"])
+        listener.close()
+    finally:
+        stop()
+    print(f"# {command()}\n# redis: {kind}; {args.jobs} jobs x {args.gen} tokens, engine step "
+          f"{args.engine_ms} ms (GIL free)\n")
+    print(table(["run", "engine steps", "wall s (whole serve: admission and endings too)",
+                 "worker ms between steps, steady state: min / median / max"], rows))
+    if profile is not None:
+        import pstats
+
+        steps = rows[-1][1]
+        stats = pstats.Stats(profile)
+        print(f"\nlast run, cumulative ms per step (profiled: slower than unprofiled)\n")
+        entries = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:30]
+        print(table(["function", "cum ms / step", "calls / step"],
+                    [[f"{os.path.basename(f)}:{line} {fn}"[:80], f"{ct / steps * 1e3:.3f}", f"{nc / steps:.1f}"]
+                     for (f, line, fn), (cc, nc, tt, ct, _) in entries]))
+
+
+if __name__ == "__main__":
+    main()
