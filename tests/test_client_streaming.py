@@ -64,3 +64,36 @@ def test_timeout_without_terminal_event(fake):
     EventPublisher(fake).publish([ev(0, text="x")])
     with pytest.raises(TimeoutError):
         list(iter_events(fake, "j1", timeout=0.3))
+
+
+def test_one_publish_call_logs_caps_and_publishes_every_job_in_order(redis_conn, monkeypatch):
+    """The publisher's one script call per step, on a real server: each job's events
+    in its log and on its channel in order, every log capped and given a TTL."""
+    import kiviq.jobs.publisher as publisher
+    from kiviq.jobs.keys import event_channel, replay_log
+
+    monkeypatch.setattr(publisher, "REPLAY_MAX_EVENTS", 5)
+    listener = redis_conn.pubsub()
+    listener.subscribe(event_channel("a"), event_channel("b"))
+    while listener.get_message(timeout=0.5) is not None:  # the two subscribe confirmations
+        pass
+    pub = EventPublisher(redis_conn)
+
+    def event(job, seq):
+        return StreamEvent(job_id=job, seq=seq, type=EventType.token, text=f"{job}{seq}")
+    for step in range(4):  # two jobs, two events each per call, interleaved
+        pub.publish([event("a", 2 * step), event("b", 2 * step), event("a", 2 * step + 1),
+                     event("b", 2 * step + 1)])
+    for job in ("a", "b"):
+        logged = [StreamEvent.model_validate_json(x).seq for x in redis_conn.lrange(replay_log(job), 0, -1)]
+        assert logged == [3, 4, 5, 6, 7]  # the last five of eight
+        assert 0 < redis_conn.ttl(replay_log(job)) <= publisher.REPLAY_TTL_S
+    heard: dict[str, list[int]] = {"a": [], "b": []}
+    deadline = time.monotonic() + 5
+    while sum(map(len, heard.values())) < 16 and time.monotonic() < deadline:
+        m = listener.get_message(timeout=0.5)
+        if m and m["type"] == "message":
+            e = StreamEvent.model_validate_json(m["data"])
+            heard[e.job_id].append(e.seq)
+    listener.close()
+    assert heard == {"a": list(range(8)), "b": list(range(8))}
