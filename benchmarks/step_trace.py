@@ -27,11 +27,18 @@ adds per-layer quantize and scatter work.
 
 Several ``--arm``s run in one process on the same model and prompts, their timed
 steps interleaved in ``--rounds`` rounds (the first arm rotating), and every arm's
-tokens are compared with the first arm's (the A/B form; against older code,
-check out that commit, or use benchmarks/engine_host.py's git-revision arms):
+tokens are compared with the first arm's (the A/B form):
 
     python3 benchmarks/step_trace.py --batch 32 --steps 32 --rounds 4 --warmup 100 \
         --arm kiviq --arm kiviq,flush_blocks=4 --arm batchgen
+
+Against older code, and to judge a change against the spread between processes of
+one build (it can be 1.5x), run each code tree in several fresh processes,
+interleaved, with ``--processes N --tree NAME=REV`` (an older tree runs its own
+copy of this script, so it needs one that writes ``--summary-json``, d3f22a7 on):
+
+    python3 benchmarks/step_trace.py --batch 32 --warmup 60 --steps 32 \
+        --arm kiviq,compile=1,pipeline=1,table=32 --processes 4 --tree before=20b8689 --tree after=.
 """
 
 from __future__ import annotations
@@ -358,40 +365,51 @@ def _flushing_and_other(values: list[float], flushed: list[bool], summary, fmt: 
 
 
 def across_processes(args) -> None:
-    """``--processes N``: this command without ``--processes``, in N fresh
-    processes in turn; per arm, the median step of each process, their min /
-    median / max and the slowest-to-fastest ratio, and whether every process
-    produced the same tokens."""
+    """``--processes N``: this command without ``--processes`` (and ``--tree``), in N
+    fresh processes per code tree, the trees interleaved (A B A B ...); per tree and
+    arm, the median step of each process, their min / median / max and the
+    slowest-to-fastest ratio, and whether every process of every tree produced the
+    same tokens."""
     import subprocess
     import tempfile
+
+    from benchmarks.engine_host import arm_tree
 
     argv, skip = [], False
     for a in sys.argv[1:]:
         if skip:
             skip = False
-        elif a == "--processes":
+        elif a in ("--processes", "--tree"):
             skip = True
-        elif not a.startswith("--processes="):
+        elif not a.startswith(("--processes=", "--tree=")):
             argv.append(a)
     print(f"# {command()}\n# {machine()}\n")
-    results = []
+    results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        trees = [(name, arm_tree(spec, tmp)) for name, spec in
+                 (t.split("=", 1) for t in (args.trees or ["this=."]))]
         for i in range(args.processes):
-            path = os.path.join(tmp, f"{i}.json")
-            subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--summary-json", path], check=True)
-            with open(path) as f:
-                results.append(json.load(f))
+            for name, tree in trees:
+                path = os.path.join(tmp, f"{name}-{i}.json")
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                    [tree, *filter(None, [os.environ.get("PYTHONPATH")])]))
+                subprocess.run([sys.executable, os.path.join(tree, "benchmarks", "step_trace.py"), *argv,
+                                "--summary-json", path], check=True, env=env, cwd=tree)
+                with open(path) as f:
+                    results.setdefault(name, []).append(json.load(f))
+    digests = {label: {r[label]["digest"] for runs in results.values() for r in runs}
+               for label in next(iter(results.values()))[0]}
     rows = []
-    for label in results[0]:
-        medians = [r[label]["median_ms"] for r in results]
-        digests = {r[label]["digest"] for r in results}
-        lo, hi = min(medians), max(medians)
-        rows.append([label, " ".join(f"{m:.2f}" for m in medians),
-                     f"{lo:.2f} / {statistics.median(medians):.2f} / {hi:.2f}", f"{hi / lo:.2f}x",
-                     "same" if len(digests) == 1 else f"{len(digests)} different"])
-    print(f"\n{args.processes} fresh processes\n")
-    print(table(["arm", "median step ms per process", "min / median / max", "slowest / fastest", "tokens"],
-                rows))
+    for name, runs in results.items():
+        for label in runs[0]:
+            medians = [r[label]["median_ms"] for r in runs]
+            lo, hi = min(medians), max(medians)
+            rows.append([name, label, " ".join(f"{m:.2f}" for m in medians),
+                         f"{lo:.2f} / {statistics.median(medians):.2f} / {hi:.2f}", f"{hi / lo:.2f}x",
+                         "same" if len(digests[label]) == 1 else f"{len(digests[label])} different"])
+    print(f"\n{args.processes} fresh processes per tree, trees interleaved\n")
+    print(table(["tree", "arm", "median step ms per process", "min / median / max", "slowest / fastest",
+                 "tokens (every tree)"], rows))
 
 
 def main() -> None:
@@ -420,9 +438,15 @@ def main() -> None:
                    help="run the whole measurement in N fresh processes, one after another, and report "
                         "each arm's median step per process and their spread (the same build can time "
                         "1.5x apart in two processes: judge a change against this)")
+    p.add_argument("--tree", action="append", dest="trees", metavar="NAME=TREE",
+                   help="with --processes: a code tree to run, repeatable, interleaved with the others: "
+                        "NAME=. (the working tree), NAME=DIR or NAME=<git revision> (extracted with git "
+                        "archive); each runs its own benchmarks/step_trace.py")
     p.add_argument("--summary-json", dest="summary_json", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.processes > 1:
+    if args.trees and args.processes < 1:
+        raise SystemExit("--tree needs --processes N")
+    if args.processes > 1 or args.trees:
         if args.trace or args.host_profile:
             raise SystemExit("--processes times steps; trace or profile one process")
         return across_processes(args)
