@@ -128,7 +128,7 @@ def main() -> None:
             gaps = [(b - a) * 1e3 - args.engine_ms for a, b in zip(engine.started, engine.started[1:])]
             cut = max(1, len(gaps) // 10)
             gaps = sorted(gaps[cut:-cut])
-            rows.append([run + 1, engine.steps, f"{wall:.2f}",
+            rows.append([run + 1, engine.steps, f"{wall:.2f}", f"{(engine.started[0] - t0) * 1e3:.0f}",
                          f"{gaps[0]:.2f} / {statistics.median(gaps):.2f} / {gaps[-1]:.2f}"])
         listener.close()
     finally:
@@ -136,6 +136,7 @@ def main() -> None:
     print(f"# {command()}\n# redis: {kind}; {args.jobs} jobs x {args.gen} tokens, engine step "
           f"{args.engine_ms} ms (GIL free)\n")
     print(table(["run", "engine steps", "wall s (whole serve: admission and endings too)",
+                 "ms until the first step (admitting every job)",
                  "worker ms between steps, steady state: min / median / max"], rows))
     if profile is not None:
         import pstats
