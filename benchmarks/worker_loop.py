@@ -143,7 +143,7 @@ def main() -> None:
 
         steps = rows[-1][1]
         stats = pstats.Stats(profile)
-        print(f"\nlast run, cumulative ms per step (profiled: slower than unprofiled)\n")
+        print("\nlast run, cumulative ms per step (profiled: slower than unprofiled)\n")
         entries = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:30]
         print(table(["function", "cum ms / step", "calls / step"],
                     [[f"{os.path.basename(f)}:{line} {fn}"[:80], f"{ct / steps * 1e3:.3f}", f"{nc / steps:.1f}"]
