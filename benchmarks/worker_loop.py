@@ -14,6 +14,12 @@ do meanwhile.
 
     python benchmarks/worker_loop.py --jobs 64 --gen 256
     python benchmarks/worker_loop.py --jobs 64 --gen 256 --profile    # where the time goes
+    python benchmarks/worker_loop.py --jobs 64 --runs 0 --parts --steps 400
+
+``--parts`` times the two Redis calls the worker makes every step on their own, as
+it makes them: publishing one token event per running job
+(``jobs.publisher.EventPublisher``) and the cancel check
+(``BatchWorker._check_cancels``, on a stand-in holding ``--jobs`` active jobs).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import statistics
 import sys
 import time
 from types import SimpleNamespace
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,6 +40,8 @@ from benchmarks.common import command, table  # noqa: E402
 from kiviq import Client  # noqa: E402
 from kiviq.client.local_redis import start_redis  # noqa: E402
 from kiviq.engine.request import StepEvent  # noqa: E402
+from kiviq.jobs.models import EventType, StreamEvent  # noqa: E402
+from kiviq.jobs.publisher import EventPublisher  # noqa: E402
 from kiviq.worker.metrics import WorkerMetrics  # noqa: E402
 from kiviq.worker.service import BatchWorker  # noqa: E402
 
@@ -90,54 +99,107 @@ class FreeEngine:
         return events
 
 
+def drain(listener) -> None:
+    """Read what the subscriber was sent, as a streaming client would."""
+    while listener.get_message(timeout=0):
+        pass
+
+
+def loop_runs(args, url: str, listener) -> tuple[list[list], Any]:
+    """``--runs`` whole serves of ``--jobs`` jobs: a table row each, and the last
+    run's profile (with ``--profile``)."""
+    client, rows, profile = Client(url), [], None
+    for run in range(args.runs):
+        for _ in range(args.jobs):
+            client.submit("Tell me about the sea.", max_tokens=args.gen)
+        engine = FreeEngine(args.jobs, args.engine_ms)
+        worker = BatchWorker(engine, Redis.from_url(url), max_active=args.jobs, metrics=WorkerMetrics())
+        if args.profile and run == args.runs - 1:
+            import cProfile
+
+            profile = cProfile.Profile()
+            profile.enable()
+        t0 = time.perf_counter()
+        ended = worker.serve(burst=True, logging_level="WARNING")
+        wall = time.perf_counter() - t0
+        if profile is not None:
+            profile.disable()
+        drain(listener)
+        if ended != args.jobs or not engine.steps:
+            raise SystemExit(f"run {run}: {ended} jobs ended in {engine.steps} steps, not {args.jobs}")
+        # Steady state: every job running, none admitted or ending (a tenth cut off each end).
+        gaps = [(b - a) * 1e3 - args.engine_ms for a, b in zip(engine.started, engine.started[1:])]
+        cut = max(1, len(gaps) // 10)
+        gaps = sorted(gaps[cut:-cut])
+        rows.append([run + 1, engine.steps, f"{wall:.2f}", f"{(engine.started[0] - t0) * 1e3:.0f}",
+                     f"{gaps[0]:.2f} / {statistics.median(gaps):.2f} / {gaps[-1]:.2f}"])
+    return rows, profile
+
+
+class CancelCheck:
+    """Just enough of a BatchWorker for its ``_check_cancels``: the active jobs
+    (none cancelled, the usual case) and the connection."""
+
+    def __init__(self, connection: Redis, job_ids: list[str]):
+        self.connection, self.active = connection, dict.fromkeys(job_ids)
+
+    check = BatchWorker._check_cancels
+
+
+def part_costs(args, url: str, listener, warmup: int = 50) -> list[list]:
+    """``--parts``: ms per call of the step's publish and cancel check."""
+    redis = Redis.from_url(url)
+    jobs = [f"{i:08x}-5c1e-4c6b-9a8e-{i:012x}" for i in range(args.jobs)]
+    publisher, check = EventPublisher(redis), CancelCheck(redis, jobs).check
+
+    def publish(step: int) -> None:
+        publisher.publish([StreamEvent(job_id=j, seq=step, type=EventType.token, text=" the", token_ids=[279])
+                           for j in jobs])
+        if step % 50 == 0:
+            drain(listener)
+
+    rows = []
+    for name, fn in (("publish the step's events", publish), ("cancel check", lambda _: check())):
+        ms = []
+        for i in range(warmup + args.steps):
+            t = time.perf_counter()
+            fn(i)
+            if i >= warmup:
+                ms.append((time.perf_counter() - t) * 1e3)
+        ms.sort()
+        rows.append([name, f"{ms[0]:.2f} / {statistics.median(ms):.2f} / {ms[-1]:.2f}"])
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--jobs", type=int, default=64, help="jobs, all running at once")
     p.add_argument("--gen", type=int, default=256, help="tokens per job (engine steps)")
     p.add_argument("--engine-ms", type=float, default=0.0, dest="engine_ms",
                    help="GIL-free wait per engine step (MLX's evaluation releases the GIL)")
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=int, default=3, help="whole serves (0: none)")
     p.add_argument("--profile", action="store_true", help="cProfile the last run: the worker's functions")
+    p.add_argument("--parts", action="store_true", help="also time the step's publish and cancel check alone")
+    p.add_argument("--steps", type=int, default=400, help="calls timed per part (with --parts)")
     args = p.parse_args()
     url, stop, kind = start_redis()
-    rows, profile = [], None
     try:
-        client = Client(url)
         listener = Redis.from_url(url).pubsub()
         listener.psubscribe("*")  # a subscriber on every channel, as streaming clients are
-        for run in range(args.runs):
-            for _ in range(args.jobs):
-                client.submit("Tell me about the sea.", max_tokens=args.gen)
-            engine = FreeEngine(args.jobs, args.engine_ms)
-            worker = BatchWorker(engine, Redis.from_url(url), max_active=args.jobs, metrics=WorkerMetrics())
-            if args.profile and run == args.runs - 1:
-                import cProfile
-
-                profile = cProfile.Profile()
-                profile.enable()
-            t0 = time.perf_counter()
-            ended = worker.serve(burst=True, logging_level="WARNING")
-            wall = time.perf_counter() - t0
-            if profile is not None:
-                profile.disable()
-            while listener.get_message(timeout=0):
-                pass
-            if ended != args.jobs or not engine.steps:
-                raise SystemExit(f"run {run}: {ended} jobs ended in {engine.steps} steps, not {args.jobs}")
-            # Steady state: every job running, none admitted or ending (a tenth cut off each end).
-            gaps = [(b - a) * 1e3 - args.engine_ms for a, b in zip(engine.started, engine.started[1:])]
-            cut = max(1, len(gaps) // 10)
-            gaps = sorted(gaps[cut:-cut])
-            rows.append([run + 1, engine.steps, f"{wall:.2f}", f"{(engine.started[0] - t0) * 1e3:.0f}",
-                         f"{gaps[0]:.2f} / {statistics.median(gaps):.2f} / {gaps[-1]:.2f}"])
+        rows, profile = loop_runs(args, url, listener)
+        parts = part_costs(args, url, listener) if args.parts else []
         listener.close()
     finally:
         stop()
-    print(f"# {command()}\n# redis: {kind}; {args.jobs} jobs x {args.gen} tokens, engine step "
-          f"{args.engine_ms} ms (GIL free)\n")
-    print(table(["run", "engine steps", "wall s (whole serve: admission and endings too)",
-                 "ms until the first step (admitting every job)",
-                 "worker ms between steps, steady state: min / median / max"], rows))
+    print(f"# {command()}\n# redis: {kind}; {args.jobs} jobs\n")
+    if rows:
+        print(f"{args.gen} tokens each, engine step {args.engine_ms} ms (GIL free)\n")
+        print(table(["run", "engine steps", "wall s (whole serve: admission and endings too)",
+                     "ms until the first step (admitting every job)",
+                     "worker ms between steps, steady state: min / median / max"], rows))
+    if parts:
+        print(f"\none call per engine step, {args.steps} steps\n")
+        print(table(["per engine step", "ms min / median / max"], parts))
     if profile is not None:
         import pstats
 
