@@ -41,14 +41,17 @@ def command() -> str:
 
 
 DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories that are device work
+API_EVENTS = ("cuda_runtime", "cuda_driver")  # the host's CUDA calls (graph building, launches, syncs)
 
 
 @contextlib.contextmanager
-def device_trace():
+def device_trace(categories: tuple[str, ...] = DEVICE_EVENTS):
     """Record the device ops run inside the block (CUDA, needs PyTorch): CUPTI, through
     torch.profiler, sees every kernel of the process, MLX's included. The yielded list
     is filled on exit with the ops' trace events (``name``, ``ts`` and ``dur`` in us):
-    device time itself, whatever the host spent launching them."""
+    device time itself, whatever the host spent launching them. With API_EVENTS among
+    ``categories``, the host's CUDA runtime and driver calls come too (``cat`` tells
+    them apart)."""
     import torch.profiler
 
     events: list[dict] = []
@@ -60,7 +63,7 @@ def device_trace():
         profiler.export_chrome_trace(path)
         with open(path) as f:
             trace = json.load(f)
-    events.extend(e for e in trace.get("traceEvents", []) if e.get("cat") in DEVICE_EVENTS and "dur" in e)
+    events.extend(e for e in trace.get("traceEvents", []) if e.get("cat") in categories and "dur" in e)
 
 
 def table(header: list[str], rows: list[list[object]]) -> str:

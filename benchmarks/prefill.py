@@ -160,7 +160,7 @@ def main() -> None:
         print(f"\nbare model, forwards of <= {budget} tokens: {n / statistics.median(times):,.0f} prompt tok/s "
               f"(median of {len(times)}; min {min(times):.2f} s, max {max(times):.2f} s)")
     if args.trace:
-        from benchmarks.step_trace import summarize
+        from benchmarks.trace_summary import summarize
 
         head, krows = summarize(events, 1, args.top)
         print(f"\ntraced run (whole run as one 'step'): {head}\n")

@@ -44,7 +44,6 @@ copy of this script, so it needs one that writes ``--summary-json``, d3f22a7 on)
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import hashlib
 import json
@@ -58,82 +57,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mlx.core as mx  # noqa: E402
 
 import kiviq.engine.kv_store as kv_store_module  # noqa: E402
-from benchmarks.common import command, device_trace, machine, prefilled_engine, table  # noqa: E402
+from benchmarks.common import API_EVENTS, DEVICE_EVENTS, command, device_trace, machine, prefilled_engine, table  # noqa: E402
+from benchmarks.trace_summary import print_host_profile, print_trace  # noqa: E402
 from benchmarks.engine import SHAPES, random_model  # noqa: E402
 from kiviq.engine.flat_quantized import flat_quantized_matmuls  # noqa: E402
 from tests.engine_runs import IdTokenizer  # noqa: E402
-
-
-def busy_time(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals."""
-    total, end = 0.0, None
-    for s, e in sorted(intervals):
-        if end is None or s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total
-
-
-def summarize(events: list[dict], steps: int, top: int) -> tuple[str, list[list]]:
-    """The trace's headline and its per-kernel rows (us per step, calls per step)."""
-    if not events:
-        return "the trace holds no device events", []
-    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events]
-    span = max(e for _, e in spans) - min(s for s, _ in spans)
-    busy = busy_time(spans)
-    head = (f"{len(events) / steps:.0f} device ops per step; device busy {busy / steps / 1e3:.2f} ms of a "
-            f"{span / steps / 1e3:.2f} ms traced span per step ({100 * busy / span:.0f}%)")
-    dur, calls = collections.Counter(), collections.Counter()
-    for e in events:
-        name = e["name"] if len(e["name"]) <= 80 else e["name"][:77] + "..."
-        dur[name] += e["dur"]
-        calls[name] += 1
-    rows = [[name, f"{d / steps:.1f}", f"{calls[name] / steps:.1f}"] for name, d in dur.most_common(top)]
-    return head, rows
-
-
-def copy_sites(events: list[dict], steps: int, top: int) -> list[list]:
-    """Where the plain copies run: per (copy kernel, grid x block, the kernels
-    before and after it), us and calls per step. A copy's grid gives its size,
-    its neighbours the op that needed it."""
-    ordered = sorted(events, key=lambda e: e["ts"])
-    dur, calls = collections.Counter(), collections.Counter()
-
-    def short(e):
-        return e["name"].split("(")[0].split("<")[0][-40:]
-
-    for i, e in enumerate(ordered):
-        if "copy" not in e["name"].lower():
-            continue
-        a = e.get("args", {})
-        grid, block = a.get("grid", "?"), a.get("block", "?")
-        before = short(ordered[i - 1]) if i else "-"
-        after = short(ordered[i + 1]) if i + 1 < len(ordered) else "-"
-        key = (e["name"][:60], f"{grid} x {block}", before, after)
-        dur[key] += e["dur"]
-        calls[key] += 1
-    return [[*k, f"{d / steps:.1f}", f"{calls[k] / steps:.1f}"] for k, d in dur.most_common(top)]
-
-
-def print_host_profile(host, steps: int, top: int) -> None:
-    """The timed steps' host functions by own time (us per step), then by
-    cumulative time: where the Python side of a step goes."""
-    import pstats
-
-    st = pstats.Stats(host)
-    rows = []
-    for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():
-        where = fn if file == "~" else f"{os.path.basename(file)}:{line} {fn}"
-        rows.append((tt, ct, nc, where[:90]))
-    for label, key in (("own", 0), ("cumulative", 1)):
-        best = sorted(rows, key=lambda r: -r[key])[:top]
-        print(f"\nhost functions by {label} time\n")
-        print(table(["function", "own us / step", "cum us / step", "calls / step"],
-                    [[w, f"{tt / steps * 1e6:.0f}", f"{ct / steps * 1e6:.0f}", f"{nc / steps:.1f}"]
-                     for tt, ct, nc, w in best]))
 
 
 def make_model(args):
@@ -462,7 +390,7 @@ def main() -> None:
         import cProfile
 
         host = cProfile.Profile()
-    with device_trace() if args.trace else contextlib.nullcontext([]) as events:
+    with device_trace(DEVICE_EVENTS + API_EVENTS) if args.trace else contextlib.nullcontext([]) as events:
         if host is not None:
             host.enable()
         for r in range(args.rounds):
@@ -480,14 +408,7 @@ def main() -> None:
         print_host_profile(host, args.steps, args.top)
     if not args.trace:
         return
-    head, rows = summarize(events, args.steps, args.top)
-    sites = copy_sites(events, args.steps, args.top)
-    print(f"\n{head}\n")
-    print(table(["device op", "us / step", "calls / step"], rows))
-    if sites:
-        print("\nplain copies: where they run\n")
-        print(table(["copy", "grid x block", "after", "before", "us / step", "calls / step"], sites))
-
+    print_trace(events, args.steps, args.top)
 
 if __name__ == "__main__":
     main()

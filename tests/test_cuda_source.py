@@ -18,7 +18,7 @@ from kiviq.kernels.launch import POOL_NAMES
 
 SOURCES = {"split_mma": read("cuda/attend_split_mma.cu"), "split": read("cuda/attend_split.cu"),
            "merge": read("cuda/attend_merge.cu"), "flush": read("cuda/flush_quantize.cu"),
-           "flush_fused": read("cuda/flush_fused.cu")}
+           "flush_fused": read("cuda/flush_fused.cu"), "qk_rope": read("cuda/qk_rope.cu")}
 NAME = re.compile(r"\b(?:kivi|KIVI)_\w+")
 
 
@@ -60,7 +60,8 @@ def test_kernel_header_defines_everything_the_kernel_reaches(kernel):
 
 def test_every_kernel_source_file_is_tested():
     assert {p.name for p in (SOURCE_DIR / "cuda").glob("*.cu")} == {
-        "attend_split_mma.cu", "attend_split.cu", "attend_merge.cu", "flush_quantize.cu", "flush_fused.cu"}
+        "attend_split_mma.cu", "attend_split.cu", "attend_merge.cu", "flush_quantize.cu", "flush_fused.cu",
+        "qk_rope.cu"}
 
 
 def test_merge_and_flush_leave_the_split_machinery_out():
@@ -93,6 +94,8 @@ def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
          [("SD", bf), ("D", 128), ("G", 32), ("BITS", 2)]),
         ("flush_fused", [*pool, ("slots", i32), ("ids", i32), ("params", i32)],
          [("done", i32)], [("SD", bf), ("D", 128), ("G", 32), ("BITS", 4)]),
+        ("qk_rope", [("qkv", bf), ("q_weight", bf), ("k_weight", bf), ("offsets", i32), ("params", f32)],
+         [("q", bf), ("k", bf), ("v", bf)], [("T", bf), ("D", 128), ("HQ", 32), ("HKV", 8), ("NORM", 1)]),
     ]
     for kernel, inputs, outputs, template in cases:
         source = SOURCES[kernel]

@@ -1,0 +1,76 @@
+"""The one-launch decode prologue (engine.decode_attention): which layers get it,
+and that the path gives the engine's tokens unchanged. On the CPU the path runs
+with the reference prologue (kernels.qk_rope.qk_rope_reference); the kernel's
+bits against the stock ops are tests/test_kernels_gpu.py's."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from kiviq.engine import Engine, Request
+from kiviq.engine.decode_attention import install_decode_attention
+from kiviq.engine.fused_projections import fuse_projections
+from kiviq.engine.kivi_cache import attention_shape, model_dtype
+from kiviq.engine.kv_store import KiviStore, KVConfig
+from kiviq.kernels.qk_rope import qk_rope_reference
+from engine_runs import IdTokenizer, run_engine
+from tests.test_model_families import FAMILIES, tiny_model
+
+KV = KVConfig(bits=4, group_size=16, residual=32)
+
+
+def engine_for(model, *, use_kernel=None) -> Engine:
+    layers, h_kv, d = attention_shape(model)
+    store = KiviStore(layers, h_kv, d, config=KV, num_blocks=128, num_slots=8, dtype=model_dtype(model),
+                      use_kernel=use_kernel)
+    return Engine(model, IdTokenizer(), store, max_batch_tokens=64, pipeline=True)
+
+
+def requests():
+    rng = np.random.default_rng(3)
+    # Different lengths and join times: every step decodes rows at different RoPE offsets.
+    return [Request(f"r{i}", [int(t) for t in rng.integers(1, 500, size=9 + 7 * i)], max_tokens=40 - 3 * i)
+            for i in range(5)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_path_gives_the_stock_tokens(family):
+    model = tiny_model(family)
+    fuse_projections(model)
+    want = run_engine(engine_for(model), requests(), join_every=3)
+    assert install_decode_attention(model, prep=qk_rope_reference) == len(model.model.layers)
+    calls = []
+    for layer in model.model.layers:
+        layer.self_attn._qk_prep = lambda *a, **k: calls.append(1) or qk_rope_reference(*a, **k)
+    got = run_engine(engine_for(model), requests(), join_every=3)
+    assert got == want
+    assert len(calls) > 0  # the decode steps took the path
+    stock = type(model.model.layers[0].self_attn).__mro__[1]
+    assert isinstance(model.model.layers[0].self_attn, stock) and stock.__module__.startswith("mlx_lm")
+    # A store told not to use kernels keeps the stock forward.
+    calls.clear()
+    assert run_engine(engine_for(model, use_kernel=False), requests(), join_every=3) == want
+    assert calls == []
+
+
+def test_who_gets_the_path():
+    model = tiny_model("llama")
+    assert install_decode_attention(model, prep=qk_rope_reference) == 0  # projections not fused
+    fuse_projections(model)
+    assert install_decode_attention(model, prep=qk_rope_reference) == len(model.model.layers)
+    cls = type(model.model.layers[0].self_attn)
+    assert install_decode_attention(model, prep=qk_rope_reference) == len(model.model.layers)
+    assert type(model.model.layers[0].self_attn) is cls  # installed once
+    # A RoPE that is not the plain one (traditional, scaled variants) keeps the stock forward.
+    other = tiny_model("qwen3")
+    fuse_projections(other)
+    other.model.layers[0].self_attn.rope = nn.RoPE(32, traditional=True)
+    assert install_decode_attention(other, prep=qk_rope_reference) == len(other.model.layers) - 1
+    # Where the kernel cannot run (this CPU machine), nothing changes by default.
+    if not mx.cuda.is_available():
+        fresh = tiny_model("qwen3")
+        fuse_projections(fresh)
+        assert install_decode_attention(fresh) == 0
