@@ -17,8 +17,10 @@ With ``--trace`` (a CUDA device with PyTorch installed) those steps run under
 The summary gives kernels per step, device busy time per step (the union of
 kernel intervals) against the wall time (the rest is the device waiting for
 the host: Python, graph building, MLX's per-op dispatch, syncs), and the
-kernels grouped by name. A step whose KV tails flush is counted too: a flush
-adds per-layer quantize and scatter work.
+kernels grouped by name, one layer's ops in launch order, and the host's CUDA
+runtime/driver calls per step (MLX adding graph nodes, capturing cuBLAS matmuls,
+updating and launching graphs). A step whose KV tails flush is counted too: a
+flush adds per-layer quantize and scatter work.
 
     python3 benchmarks/step_trace.py --shape qwen3-4b --batch 32 --context 4096 --steps 16 --trace
     python3 benchmarks/step_trace.py --arm mlxlm --batch 1 --context 4096 --trace
