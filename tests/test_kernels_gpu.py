@@ -38,7 +38,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import kiviq.kernels
 from kiviq.kernels import cuda_attend, dispatch, kivi_cuda, launch
 from kiviq.kernels.kivi_quant import (
     blocks_to_tokens,
@@ -48,26 +47,12 @@ from kiviq.kernels.kivi_quant import (
 )
 from kiviq.kernels.kivi_reference import decode_attention, decode_attention_dense, flush_tails
 from kiviq.kernels.layout import KiviPool, allocate_pool
+from gpu_helpers import NEEDS_GPU, backend, to_np
 
 R = 128
-NEEDS_GPU = pytest.mark.skipif(
-    not dispatch.kernel_available(),
-    reason="needs MLX's CUDA backend (Linux+NVIDIA) or Metal (Apple silicon); this "
-    "machine has neither (the Metal kernels were written without Apple hardware and "
-    "are untested)",
-)
-gpu = [pytest.mark.gpu, NEEDS_GPU]
 OUT_TOL = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7, mx.float32: 2.0**-20}
 UNIT_ROUNDOFF = {mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
 ERR_LOG = os.environ.get("KIVIQ_ERR_LOG")  # JSON lines of max errors, if set
-
-
-def _backend():
-    return kivi_cuda if kivi_cuda.available() else kiviq.kernels.kivi_metal
-
-
-def to_np(a: mx.array) -> np.ndarray:
-    return np.array(a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a)
 
 
 def split_len(n: int, g: int = 32, r: int = R) -> tuple[int, int]:
@@ -241,7 +226,7 @@ def oracle_fold(q, pool, table, nb, slots, tl, *, scale, bits, group_size=32):
 def expect(q, pool, table, nb, slots, tl, *, scale, bits, group_size=32):
     """(reference, extra tolerance) for the split kernel this call dispatches to."""
     args = (q, pool, table, nb, slots, tl)
-    if (_backend() is kivi_cuda
+    if (backend() is kivi_cuda
             and cuda_attend.mma_supports(q.shape, pool, bits, group_size) is None):
         if cuda_attend.fold_applies(pool):
             return oracle_fold(*args, scale=scale, bits=bits, group_size=group_size)
@@ -251,7 +236,7 @@ def expect(q, pool, table, nb, slots, tl, *, scale, bits, group_size=32):
 
 def check_kernel(args, dtype, label, *, scale, bits, group_size=32):
     """Run the backend's decode kernel on args and compare with its oracle."""
-    out = _backend().kivi_decode_attend(*args, scale=scale, bits=bits, group_size=group_size)
+    out = backend().kivi_decode_attend(*args, scale=scale, bits=bits, group_size=group_size)
     ref, extra = expect(*args, scale=scale, bits=bits, group_size=group_size)
     check_close(out, ref, dtype, label, extra)
     return out
@@ -500,7 +485,7 @@ def test_dispatch_picks_the_kernel_and_use_kernel_false_forces_the_reference():
     kw = dict(scale=0.1, bits=4)
     assert dispatch.backend() in ("cuda", "metal")
     np.testing.assert_array_equal(to_np(dispatch.decode_attend(*args, **kw)),
-                                  to_np(_backend().kivi_decode_attend(*args, **kw)))
+                                  to_np(backend().kivi_decode_attend(*args, **kw)))
     assert dispatch.backend(use_kernel=False) == "reference"
     np.testing.assert_array_equal(to_np(dispatch.decode_attend(*args, **kw, use_kernel=False)),
                                   to_np(decode_attention(*args, **kw)))
@@ -526,7 +511,7 @@ def test_plan_takes_the_models_query_layout():
 @NEEDS_GPU
 def test_growing_lengths_do_not_recompile():
     rng = np.random.default_rng(2)
-    be = _backend()
+    be = backend()
     objects = (be.ATTEND_KERNEL, be.MERGE_KERNEL)
     q, pool, table, nb, slots, tl = make_case(rng, lens=[(64, 130), (64, 140)], h_kv=8,
                                               rep=4, d=128, bits=4, dtype=mx.float16)
@@ -558,7 +543,7 @@ def test_new_token_with_the_launch_equals_a_written_tail(bits, dtype):
     and leaves the same tails. The stale row it replaces is NaN, so a read of it
     instead of k_new / v_new shows; tail lengths put the new row at the start, the
     middle and the end of a 32-row tail chunk."""
-    if _backend() is not kivi_cuda:
+    if backend() is not kivi_cuda:
         pytest.skip("only the CUDA plan takes the new token (Metal reads a written tail)")
     rng = np.random.default_rng(bits * 3 + (dtype == mx.bfloat16))
     lens = [(3, 1), (0, 31), (2, 32), (5, 33), (1, R + 31), (0, 64), (4, 96)]
@@ -589,114 +574,6 @@ def test_new_token_with_the_launch_equals_a_written_tail(bits, dtype):
     assert mx.array_equal(got, expected).item()
     for name in ("tail_k", "tail_v"):
         assert np.array_equal(to_np(getattr(fresh, name)), to_np(getattr(written, name)), equal_nan=True), name
-
-
-# ---- flush ----------------------------------------------------------------------------
-
-def _tails(rng, shape, kind):
-    if kind == "grid":  # few distinct values: many exact ties for round-half-even
-        return rng.integers(-8, 8, size=shape) * 0.25
-    if kind == "offset":  # narrow groups far from 0: the rounding of zero matters
-        return 40.0 + rng.normal(size=shape) * 0.05
-    x = rng.normal(size=shape) * rng.choice([1e-4, 1.0, 20.0])
-    x[..., 3] = 1.5  # a constant key channel
-    x[:, :, 5, :16] = -2.0  # a constant value group (G = 16)
-    return x
-
-
-@pytest.mark.parametrize("bits", [2, 4, 8])
-@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("g", [16, 32, 128])
-@pytest.mark.gpu
-@NEEDS_GPU
-def test_flush_kernel_is_bit_exact(bits, dtype, g):
-    rng = np.random.default_rng(bits + g)
-    be = _backend()
-    for kind in ("normal", "grid", "offset"):
-        pools = []
-        for _ in range(2):
-            pool = allocate_pool(12, 6, 2, 128, bits=bits, group_size=g, residual=R,
-                                 dtype=dtype)
-            pools.append(pool)
-        x = {n: _tails(rng, pools[0].tail_k.shape, kind) for n in ("tail_k", "tail_v")}
-        for pool in pools:
-            for n, a in x.items():
-                getattr(pool, n)[...] = mx.array(a.astype(np.float32)).astype(dtype)
-            mx.eval(*pool)
-        slots, ids = mx.array([4, 0, 2]), mx.array([7, 1, 11])
-        lens = mx.array([R + g, g, R + 3])
-        be.kivi_flush(pools[0], slots, ids, lens, bits=bits, group_size=g)
-        flush_tails(pools[1], slots, ids, lens, bits=bits, group_size=g)
-        for name, a, b in zip(KiviPool._fields, pools[0], pools[1]):
-            assert np.array_equal(to_np(a), to_np(b)), f"{name} differs ({kind})"
-
-
-@pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.gpu
-@NEEDS_GPU
-def test_multi_block_flush_of_all_layers_kernel_equals_reference(bits, k):
-    """flush_layers with k blocks per slot (KVConfig.flush_blocks; the fused kernel on
-    CUDA, the gather path on Metal): every pool ends bit-identical to the reference."""
-    rng = np.random.default_rng(bits * 7 + k)
-    g, dtype = 32, mx.bfloat16
-    sets = []
-    for use_kernel in (True, False):
-        pools = [allocate_pool(16, 5, 2, 128, bits=bits, group_size=g, residual=R + (k - 1) * g, dtype=dtype)
-                 for _ in range(3)]
-        sets.append((use_kernel, pools))
-    for layer in range(3):
-        x = {n: _tails(rng, sets[0][1][0].tail_k.shape, "normal") for n in ("tail_k", "tail_v")}
-        for _, pools in sets:
-            for n, a in x.items():
-                getattr(pools[layer], n)[...] = mx.array(a.astype(np.float32)).astype(dtype)
-            mx.eval(*pools[layer])
-    slots, lens = [3, 0], [R + k * g - 1, R + k * g - 1]
-    ids = [9, 2, 14, 5, 11, 0][: 2 * k]
-    for use_kernel, pools in sets:
-        dispatch.flush_layers(pools, slots, ids, lens, bits=bits, group_size=g, use_kernel=use_kernel,
-                              blocks_per_slot=k)
-    for layer in range(3):
-        for name, a, b in zip(KiviPool._fields, sets[0][1][layer], sets[1][1][layer]):
-            assert np.array_equal(to_np(a), to_np(b)), f"layer {layer}: {name} differs"
-
-
-@pytest.mark.gpu
-@NEEDS_GPU
-def test_fused_flush_of_all_layers_is_in_place():
-    if _backend() is not kivi_cuda:
-        pytest.skip("the fused flush kernel is CUDA only")
-    pools = [allocate_pool(512, 256, 8, 128, bits=4) for _ in range(2)]  # tails: 2 x 80 MiB each
-    mx.eval(pools)
-    objects = [id(a) for p in pools for a in p]
-    dispatch.flush_layers(pools, [5, 9], [100, 7], [R + 31, R + 31], bits=4)  # compile outside
-    mx.eval(pools)
-    mx.reset_peak_memory()
-    base = mx.get_active_memory()
-    dispatch.flush_layers(pools, [6, 10], [101, 8], [R + 31, R + 31], bits=4)
-    mx.eval(pools)
-    assert [id(a) for p in pools for a in p] == objects
-    # One copy of a tail array would add 80 MiB; the shifted rows are 2 x 2 x 2 x 160 KiB.
-    assert mx.get_peak_memory() - base < 16 * 2**20
-
-
-@pytest.mark.gpu
-@NEEDS_GPU
-def test_flush_kernel_is_in_place():
-    pool = allocate_pool(512, 256, 8, 128, bits=4)  # tails: 2 x 80 MiB
-    mx.eval(*pool)
-    objects = [id(a) for a in pool]
-    _backend().kivi_flush(pool, mx.array([5, 9]), mx.array([100, 7]),
-                          mx.array([R + 32, 40]), bits=4)  # compile outside the measure
-    mx.eval(*pool)
-    mx.reset_peak_memory()
-    base = mx.get_active_memory()
-    _backend().kivi_flush(pool, mx.array([6, 10]), mx.array([101, 8]),
-                          mx.array([R + 32, 40]), bits=4)
-    mx.eval(*pool)
-    assert [id(a) for a in pool] == objects
-    # One copy of a tail array would add 80 MiB.
-    assert mx.get_peak_memory() - base < 16 * 2**20
 
 
 @pytest.mark.gpu

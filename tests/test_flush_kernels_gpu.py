@@ -1,0 +1,122 @@
+"""The KIVI flush kernels (CUDA / Metal) against the reference: codes, scales and
+zeros bit for bit (a flush has no a*b+c), in place, one layer or all layers at
+once. Skipped where MLX has neither backend."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from gpu_helpers import NEEDS_GPU, backend, to_np
+from kiviq.kernels import dispatch, kivi_cuda
+from kiviq.kernels.kivi_reference import flush_tails
+from kiviq.kernels.layout import KiviPool, allocate_pool
+
+R = 128
+
+
+def _tails(rng, shape, kind):
+    if kind == "grid":  # few distinct values: many exact ties for round-half-even
+        return rng.integers(-8, 8, size=shape) * 0.25
+    if kind == "offset":  # narrow groups far from 0: the rounding of zero matters
+        return 40.0 + rng.normal(size=shape) * 0.05
+    x = rng.normal(size=shape) * rng.choice([1e-4, 1.0, 20.0])
+    x[..., 3] = 1.5  # a constant key channel
+    x[:, :, 5, :16] = -2.0  # a constant value group (G = 16)
+    return x
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("g", [16, 32, 128])
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_flush_kernel_is_bit_exact(bits, dtype, g):
+    rng = np.random.default_rng(bits + g)
+    be = backend()
+    for kind in ("normal", "grid", "offset"):
+        pools = []
+        for _ in range(2):
+            pool = allocate_pool(12, 6, 2, 128, bits=bits, group_size=g, residual=R,
+                                 dtype=dtype)
+            pools.append(pool)
+        x = {n: _tails(rng, pools[0].tail_k.shape, kind) for n in ("tail_k", "tail_v")}
+        for pool in pools:
+            for n, a in x.items():
+                getattr(pool, n)[...] = mx.array(a.astype(np.float32)).astype(dtype)
+            mx.eval(*pool)
+        slots, ids = mx.array([4, 0, 2]), mx.array([7, 1, 11])
+        lens = mx.array([R + g, g, R + 3])
+        be.kivi_flush(pools[0], slots, ids, lens, bits=bits, group_size=g)
+        flush_tails(pools[1], slots, ids, lens, bits=bits, group_size=g)
+        for name, a, b in zip(KiviPool._fields, pools[0], pools[1]):
+            assert np.array_equal(to_np(a), to_np(b)), f"{name} differs ({kind})"
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_multi_block_flush_of_all_layers_kernel_equals_reference(bits, k):
+    """flush_layers with k blocks per slot (KVConfig.flush_blocks; the fused kernel on
+    CUDA, the gather path on Metal): every pool ends bit-identical to the reference."""
+    rng = np.random.default_rng(bits * 7 + k)
+    g, dtype = 32, mx.bfloat16
+    sets = []
+    for use_kernel in (True, False):
+        pools = [allocate_pool(16, 5, 2, 128, bits=bits, group_size=g, residual=R + (k - 1) * g, dtype=dtype)
+                 for _ in range(3)]
+        sets.append((use_kernel, pools))
+    for layer in range(3):
+        x = {n: _tails(rng, sets[0][1][0].tail_k.shape, "normal") for n in ("tail_k", "tail_v")}
+        for _, pools in sets:
+            for n, a in x.items():
+                getattr(pools[layer], n)[...] = mx.array(a.astype(np.float32)).astype(dtype)
+            mx.eval(*pools[layer])
+    slots, lens = [3, 0], [R + k * g - 1, R + k * g - 1]
+    ids = [9, 2, 14, 5, 11, 0][: 2 * k]
+    for use_kernel, pools in sets:
+        dispatch.flush_layers(pools, slots, ids, lens, bits=bits, group_size=g, use_kernel=use_kernel,
+                              blocks_per_slot=k)
+    for layer in range(3):
+        for name, a, b in zip(KiviPool._fields, sets[0][1][layer], sets[1][1][layer]):
+            assert np.array_equal(to_np(a), to_np(b)), f"layer {layer}: {name} differs"
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_fused_flush_of_all_layers_is_in_place():
+    if backend() is not kivi_cuda:
+        pytest.skip("the fused flush kernel is CUDA only")
+    pools = [allocate_pool(512, 256, 8, 128, bits=4) for _ in range(2)]  # tails: 2 x 80 MiB each
+    mx.eval(pools)
+    objects = [id(a) for p in pools for a in p]
+    dispatch.flush_layers(pools, [5, 9], [100, 7], [R + 31, R + 31], bits=4)  # compile outside
+    mx.eval(pools)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    dispatch.flush_layers(pools, [6, 10], [101, 8], [R + 31, R + 31], bits=4)
+    mx.eval(pools)
+    assert [id(a) for p in pools for a in p] == objects
+    # One copy of a tail array would add 80 MiB; the shifted rows are 2 x 2 x 2 x 160 KiB.
+    assert mx.get_peak_memory() - base < 16 * 2**20
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_flush_kernel_is_in_place():
+    pool = allocate_pool(512, 256, 8, 128, bits=4)  # tails: 2 x 80 MiB
+    mx.eval(*pool)
+    objects = [id(a) for a in pool]
+    backend().kivi_flush(pool, mx.array([5, 9]), mx.array([100, 7]),
+                          mx.array([R + 32, 40]), bits=4)  # compile outside the measure
+    mx.eval(*pool)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    backend().kivi_flush(pool, mx.array([6, 10]), mx.array([101, 8]),
+                          mx.array([R + 32, 40]), bits=4)
+    mx.eval(*pool)
+    assert [id(a) for a in pool] == objects
+    # One copy of a tail array would add 80 MiB.
+    assert mx.get_peak_memory() - base < 16 * 2**20
