@@ -25,6 +25,7 @@ import mlx.nn as nn
 
 from kiviq.engine.fused_projections import FUSABLE_FAMILIES
 from kiviq.engine.kivi_cache import KiviLayerCache, model_dtype
+from kiviq.kernels.launch import const
 from kiviq.kernels.qk_rope import qk_rope, supported
 
 _CLASSES: dict[type, type] = {}
@@ -56,8 +57,8 @@ def decode_forward(attn: nn.Module, x: mx.array, cache: KiviLayerCache) -> mx.ar
     """The stock forward of one decode token per sequence, its prologue in one launch."""
     b = x.shape[0]
     offsets = cache.offset
-    if not isinstance(offsets, mx.array):  # one sequence: an int
-        offsets = mx.array([offsets] * b, dtype=mx.int32)
+    if not isinstance(offsets, mx.array):  # one sequence, a plain step: an int, one array for all layers
+        offsets = const((offsets,) * b, mx.int32)
     norm = attn.get("q_norm")
     q, k, v = attn._qk_prep(attn.qkv_proj(x), offsets, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,
                             rope_base=attn.rope.base, rope_scale=attn.rope.scale,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import math
 
 import mlx.core as mx
@@ -27,6 +28,7 @@ QK_ROPE_KERNEL = cuda_kernel("qk_rope.cu", name="kivi_qk_rope",
                              output_names=["q", "k", "v"])
 
 
+@functools.lru_cache(maxsize=16)
 def _log2f(x: float) -> float:
     """log2 in float32 as MLX's rope computes its base on the host (C's log2f), so
     the kernel's angles are MLX's to the bit; Python's double log2 rounded to float32
