@@ -57,7 +57,7 @@ from kiviq.kernels.launch import (
     const_values,
     packed_views,
 )
-from kiviq.kernels.layout import KiviPool
+from kiviq.kernels.layout import KiviPool, lane_order
 
 ATTEND_INPUTS = ["q", *POOL_NAMES, "block_tables", "num_blocks", "slots", "tail_lens",
                  "params", "qscale_in", "k_new", "v_new"]
@@ -77,7 +77,7 @@ def mma_supports(q_shape, pool: KiviPool, bits: int, group_size: int) -> str | N
     """None when the tensor-core split kernel handles this call (on top of
     `kernels.launch.supports`), else why not; the CUDA-core kernel covers the rest."""
     d = q_shape[-1]
-    if bits not in (2, 4) or group_size != 32 or d not in (64, 128):
+    if not lane_order(bits, group_size, d):  # the layouts it reads (kernels.layout)
         return f"bits={bits}, G={group_size}, D={d} (MMA kernel: bits 2/4, G=32, D 64/128)"
     return None
 

@@ -45,7 +45,15 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kiviq.kernels.layout import check_layout, codes_per_byte
+import numpy as np
+
+from kiviq.kernels.layout import (
+    check_layout,
+    codes_per_byte,
+    key_lane_positions,
+    lane_order,
+    value_lane_positions,
+)
 
 
 def pack(codes: mx.array, bits: int) -> mx.array:
@@ -145,7 +153,7 @@ def quantize_key_blocks(
     sd = scale_dtype or default_scale_dtype(k.dtype)
     # kt: [N, H_kv, D, G] -- one group per channel.
     codes, scales, zeros = quantize_groups(mx.swapaxes(k, -1, -2), bits, sd)
-    return pack(codes, bits), scales, zeros
+    return _to_lane_order(pack(codes, bits), bits, key=True), scales, zeros
 
 
 def quantize_value_blocks(
@@ -166,7 +174,7 @@ def quantize_value_blocks(
     sd = scale_dtype or default_scale_dtype(v.dtype)
     # vg: [N, H_kv, G, D // G, G] -- one group per (token, channel group).
     codes, scales, zeros = quantize_groups(v.reshape(n, h, g, d // g, g), bits, sd)
-    return pack(codes.reshape(n, h, g, d), bits), scales, zeros
+    return _to_lane_order(pack(codes.reshape(n, h, g, d), bits), bits, key=False), scales, zeros
 
 
 def dequantize_key_blocks(
@@ -174,7 +182,7 @@ def dequantize_key_blocks(
     dtype: mx.Dtype = mx.float32,
 ) -> mx.array:
     """codes [..., D, G // P], scales/zeros [..., D] -> [..., G, D] in dtype."""
-    x = dequantize_groups(unpack(codes, bits), scales, zeros)
+    x = dequantize_groups(unpack(plain_key_codes(codes, bits), bits), scales, zeros)
     return mx.swapaxes(x, -1, -2).astype(dtype)
 
 
@@ -186,10 +194,45 @@ def dequantize_value_blocks(
 
     Blocks usually come as [N, H_kv, ...]; any leading axes work.
     """
-    q = unpack(codes, bits)
+    q = unpack(plain_value_codes(codes, bits), bits)
     ng = scales.shape[-1]
     x = dequantize_groups(q.reshape(*q.shape[:-1], ng, q.shape[-1] // ng), scales, zeros)
     return x.reshape(q.shape).astype(dtype)
+
+
+def _lane_positions(codes: mx.array, bits: int, key: bool) -> np.ndarray | None:
+    """The lane-order positions of a tile of `codes` (key [..., D, G // P] or value
+    [..., G, D // P]), or None where its layout keeps plain order (`kernels.layout`)."""
+    p = codes_per_byte(bits)
+    g, d = (codes.shape[-1] * p, codes.shape[-2]) if key else (codes.shape[-2], codes.shape[-1] * p)
+    if not lane_order(bits, g, d):
+        return None
+    return key_lane_positions(d, bits) if key else value_lane_positions(d, bits)
+
+
+def _permute_tiles(codes: mx.array, index: np.ndarray) -> mx.array:
+    """Each tile's (last two axes') bytes gathered by `index` (a permutation)."""
+    *lead, rows, row = codes.shape
+    flat = codes.reshape(*lead, rows * row)
+    return mx.take(flat, mx.array(index), axis=-1).reshape(codes.shape)
+
+
+def _to_lane_order(codes: mx.array, bits: int, key: bool) -> mx.array:
+    """Packed codes in plain order -> as the pool stores them (lane order where it applies)."""
+    pos = _lane_positions(codes, bits, key)
+    return codes if pos is None else _permute_tiles(codes, np.argsort(pos).astype(np.int32))
+
+
+def plain_key_codes(codes: mx.array, bits: int) -> mx.array:
+    """Key codes [..., D, G // P] as the pool stores them -> plain order (`kernels.layout`)."""
+    pos = _lane_positions(codes, bits, key=True)
+    return codes if pos is None else _permute_tiles(codes, pos)
+
+
+def plain_value_codes(codes: mx.array, bits: int) -> mx.array:
+    """Value codes [..., G, D // P] as the pool stores them -> plain order."""
+    pos = _lane_positions(codes, bits, key=False)
+    return codes if pos is None else _permute_tiles(codes, pos)
 
 
 def tokens_to_blocks(x: mx.array, group_size: int) -> mx.array:

@@ -39,6 +39,7 @@ import mlx.core as mx
 from kiviq.kernels.kivi_quant import (
     dequantize_groups,
     dequantize_value_blocks,
+    plain_key_codes,
     quantize_key_blocks,
     quantize_value_blocks,
     unpack,
@@ -94,14 +95,14 @@ def _block_split(
 
     # Transposing the packed bytes (not the float32 result) puts the tokens of
     # each (sequence, kv head) in order: one matmul per head, no float transposes.
-    # kt: [B, H_kv, D, n, G] -> [B, H_kv, D, n * G]
-    kc = mx.transpose(pool.k_codes[ids].reshape(b, n, h_kv, d, -1), (0, 2, 3, 1, 4))
+    # kt: [B, H_kv, D, n, G] -> [B, H_kv, D, n * G] (tiles in plain order first)
+    kc = mx.transpose(plain_key_codes(pool.k_codes[ids], bits).reshape(b, n, h_kv, d, -1), (0, 2, 3, 1, 4))
     k_perm = (0, 2, 3, 1)
     kt = dequantize_groups(
         unpack(kc, bits), params(pool.k_scales, k_perm), params(pool.k_zeros, k_perm)
     ).reshape(b, h_kv, d, n * g)
     # v: [B, H_kv, n, G, D] -> [B, H_kv, n * G, D]
-    vc = mx.transpose(pool.v_codes[ids].reshape(b, n, h_kv, g, -1), (0, 2, 1, 3, 4))
+    vc = mx.transpose(pool.v_codes[ids].reshape(b, n, h_kv, g, -1), (0, 2, 1, 3, 4))  # tiles kept whole
     v_perm = (0, 2, 1, 3, 4)
     v = dequantize_value_blocks(
         vc, params(pool.v_scales, v_perm), params(pool.v_zeros, v_perm), bits=bits

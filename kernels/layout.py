@@ -43,15 +43,35 @@ kernel gets them without a copy. Scales and zeros cost 4 bytes per group of G: a
 G = 32 that is +50% over the codes at 2 bits, +25% at 4 bits (3 and 5 bits per
 element in all).
 
+Lane order (2 and 4 bits, G = 32, D 64 or 128; `lane_order`): within each (block, kv
+head) tile the code bytes are permuted, the shapes above unchanged, so that the CUDA
+tensor-core kernel's lane (g, f) (g = lane / 4, f = lane % 4; m16n8k16 fragments)
+finds the codes it multiplies adjacent, as D * b / 32 words per tile (16-byte loads,
+instead of one 1- or 2-byte load per code pair and channel). A unit is 4 codes (b / 2
+bytes: 4 tokens of a key channel, 4 channels of a value token); in units:
+    key unit (channel c, tokens 4u .. 4u+3) at
+        ((u * 4 + (c % 16) // 4) * (D / 16) + c // 16) * 4 + ORD[c % 4]
+    value unit (token t, channels 4u .. 4u+3) at
+        ((((u % 8) * 4 + t // 8) * (D / 32) + u // 8) * 2 + (t % 8) // 4) * 4 + ORD[t % 4]
+    ORD = (0, 2, 1, 3) at 2 bits, (0, 1, 2, 3) at 4 bits
+Four units make the lane's operands for one k-tile (16 channels of K, 4 tokens of V):
+at 4 bits units 0|1 and 2|3 are its two 32-bit words; at 2 bits ORD puts units 0, 2 in
+the word's low bytes and 1, 3 in its high bytes, so one AND per code pair gives the
+operand 0|1 from the word and 2|3 from the word >> 8. `key_lane_positions` /
+`value_lane_positions` give the byte positions; every reader and writer of such a
+pool (the reference included) uses them.
+
 Quantization contract (what a flush kernel must reproduce bit for bit): see
 `kernels.kivi_quant`.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 BITS = (2, 4, 8)
 GROUP_SIZES = (16, 32, 64, 128)
@@ -156,3 +176,40 @@ def bytes_per_token(num_kv_heads: int, head_dim: int, *, bits: int, key_group: i
     key_sz = h * (d - c) * 2 * scale_bytes / key_group
     value_sz = h * (d // value_group) * 2 * scale_bytes
     return codes + key_sz + value_sz + h * c * 2
+
+
+LANE_ORDER_HEAD_DIMS = (64, 128)
+_ORD = {2: np.array([0, 2, 1, 3]), 4: np.array([0, 1, 2, 3])}
+
+
+def lane_order(bits: int, group_size: int, head_dim: int) -> bool:
+    """Whether a pool of this layout keeps its tiles' code bytes in lane order
+    (module docstring): 2 or 4 bits, G = 32, D 64 or 128, the tensor-core kernel's."""
+    return bits in _ORD and group_size == 32 and head_dim in LANE_ORDER_HEAD_DIMS
+
+
+def _unit_bytes(unit_pos: np.ndarray, bits: int) -> np.ndarray:
+    """Byte positions of the bytes of units at `unit_pos` [..., units], one row of the
+    plain layout per leading index: b / 2 bytes per unit, in order."""
+    ub = bits // 2
+    return (unit_pos[..., None] * ub + np.arange(ub)).reshape(unit_pos.shape[0], -1)
+
+
+@functools.lru_cache(maxsize=None)
+def key_lane_positions(head_dim: int, bits: int) -> np.ndarray:
+    """int32 [D * G / P]: where plain key byte i (row c = i // (G / P)) of a lane-order
+    tile (G = 32) lives."""
+    d = head_dim
+    c, u = np.arange(d)[:, None], np.arange(8)[None, :]
+    units = ((u * 4 + (c % 16) // 4) * (d // 16) + c // 16) * 4 + _ORD[bits][c % 4]
+    return _unit_bytes(units, bits).reshape(-1).astype(np.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def value_lane_positions(head_dim: int, bits: int) -> np.ndarray:
+    """int32 [G * D / P]: where plain value byte i (row t = i // (D / P)) of a lane-order
+    tile (G = 32) lives."""
+    d = head_dim
+    t, u = np.arange(32)[:, None], np.arange(d // 4)[None, :]
+    units = ((((u % 8) * 4 + t // 8) * (d // 32) + u // 8) * 2 + (t % 8) // 4) * 4 + _ORD[bits][t % 4]
+    return _unit_bytes(units, bits).reshape(-1).astype(np.int32)

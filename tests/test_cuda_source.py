@@ -119,3 +119,18 @@ def test_fold_takes_the_dequantization_out_of_the_block_loop():
         assert plain["HFMA2"] >= 128 and plain["HADD2"] >= 128
         assert fold["HFMA2"] == 0 and fold["HADD2"] == 0
         assert sum(fold.values()) < 0.8 * sum(plain.values())
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or find_cuobjdump() is None,
+                    reason="needs nvcc and cuobjdump (pip install nvidia-cuda-cuobjdump); no GPU")
+def test_lane_order_loads_a_lanes_codes_as_words():
+    """The pool is in lane order at 2 and 4 bits (kernels.layout): a lane reads its K
+    and V codes of a block as 16-byte words (2 or 4 per tile at D = 128), each k-tile's
+    four key scales (zeros) as one 8-byte word, and joins nothing: the plain layout cost
+    one 1- or 2-byte load per channel and code pair (113 shared loads per block at D =
+    128) and 32 PRMTs joining them."""
+    cuobjdump = find_cuobjdump()
+    for bits in (2, 4):
+        for dtype, fold in ((mx.float16, 1), (mx.bfloat16, 0)):
+            _, loop = compile_and_count(split_mma_unit(dtype, bits, 128, 4, fold), cuobjdump, None)
+            assert loop["LDS"] <= 48 and loop["PRMT"] == 0, (bits, dtype, loop["LDS"], loop["PRMT"])

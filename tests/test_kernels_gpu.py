@@ -43,6 +43,7 @@ from kiviq.kernels.kivi_quant import (
     blocks_to_tokens,
     dequantize_key_blocks,
     dequantize_value_blocks,
+    plain_key_codes,
     unpack,
 )
 from kiviq.kernels.kivi_reference import decode_attention, decode_attention_dense, flush_tails
@@ -197,7 +198,7 @@ def oracle_fold(q, pool, table, nb, slots, tl, *, scale, bits, group_size=32):
         scores, vals = [], []
         if n:
             idx = table[i, :n]
-            codes = np.array(unpack(pool.k_codes[idx], bits), dtype=np.float64)  # [n, H_kv, D, G]
+            codes = np.array(unpack(plain_key_codes(pool.k_codes[idx], bits), bits), dtype=np.float64)  # [n, H_kv, D, G]
             ks, kz = f64(pool.k_scales[idx]), f64(pool.k_zeros[idx])  # [n, H_kv, D]
             qr = fl16(qi)
             qs = fl16(qr[None] * ks[:, :, None, :])  # [n, H_kv, rep, D]

@@ -22,7 +22,7 @@ from kiviq.kernels import (
     tokens_to_blocks,
     unpack,
 )
-from kiviq.kernels.kivi_quant import quantize_groups
+from kiviq.kernels.kivi_quant import plain_key_codes, plain_value_codes, quantize_groups
 
 FAST = settings(max_examples=150, deadline=None)
 # MLX runs float32 matmuls as TF32 on CUDA unless MLX_ENABLE_TF32=0 (~1e-3 relative):
@@ -116,9 +116,9 @@ def test_quantize_matches_numpy_bit_for_bit(bits, dtype, g, kind, seed):
     x = mx.array(_sample(rng, (3, 2, g, 128), kind).astype(np.float32)).astype(dtype)
     xn = to_np(x)
     sd = mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
-    for quantize, groups in (
-        (quantize_key_blocks, np.swapaxes(xn, -1, -2)),
-        (quantize_value_blocks, xn.reshape(3, 2, g, 128 // g, g)),
+    for quantize, plain, groups in (
+        (quantize_key_blocks, plain_key_codes, np.swapaxes(xn, -1, -2)),
+        (quantize_value_blocks, plain_value_codes, xn.reshape(3, 2, g, 128 // g, g)),
     ):
         codes, scales, zeros = quantize(x, bits=bits)
         again = quantize(x, bits=bits)
@@ -129,7 +129,46 @@ def test_quantize_matches_numpy_bit_for_bit(bits, dtype, g, kind, seed):
         np.testing.assert_array_equal(to_np(scales), s_np)
         np.testing.assert_array_equal(to_np(zeros), z_np)
         q_np = q_np.reshape(codes.shape[:3] + (-1,))  # back to [N, H_kv, D or G, G or D]
-        np.testing.assert_array_equal(np.array(codes), np_pack(q_np, bits))
+        np.testing.assert_array_equal(np.array(plain(codes, bits)), np_pack(q_np, bits))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("d", [64, 128])
+def test_tiles_are_stored_in_lane_order(d, bits):
+    """What the tensor-core kernel's lane (g, f) loads for k-tile kt (keys) or for
+    channel group mp and token quad kt (values), read straight off the stored bytes: the
+    units (4 codes) of channels (tokens) c0..c3, in the order c0, c2, c1, c3 at 2 bits,
+    c0..c3 at 4 bits (kernels.layout)."""
+    rng = np.random.default_rng(d + bits)
+    ub, order = bits // 2, (0, 2, 1, 3) if bits == 2 else (0, 1, 2, 3)
+    x = mx.array(rng.normal(size=(2, 3, 32, d)).astype(np.float32)).astype(mx.float16)
+    kc, vc = quantize_key_blocks(x, bits=bits)[0], quantize_value_blocks(x, bits=bits)[0]
+    k_plain, v_plain = np.array(plain_key_codes(kc, bits)), np.array(plain_value_codes(vc, bits))
+    assert kc.shape == (2, 3, d, 8 * ub) and vc.shape == (2, 3, 32, d // 4 * ub)
+    assert not np.array_equal(np.array(kc), k_plain)
+    k_tiles, v_tiles = np.array(kc).reshape(2, 3, -1), np.array(vc).reshape(2, 3, -1)
+    per_lane = d * bits // 8  # bytes of a lane's K (and V) codes per tile
+    for lane in range(32):
+        g, f = lane // 4, lane % 4
+        for kt in range(d // 16):
+            at = lane * per_lane + kt * 4 * ub
+            c = 16 * kt + 4 * f
+            want = np.concatenate([k_plain[:, :, c + i, g * ub:(g + 1) * ub] for i in order], axis=-1)
+            np.testing.assert_array_equal(k_tiles[..., at:at + 4 * ub], want)
+        for mp in range(d // 32):
+            for kt in range(2):
+                at = lane * per_lane + (2 * mp + kt) * 4 * ub
+                t, u = 8 * f + 4 * kt, 8 * mp + g
+                want = np.concatenate([v_plain[:, :, t + i, u * ub:(u + 1) * ub] for i in order], axis=-1)
+                np.testing.assert_array_equal(v_tiles[..., at:at + 4 * ub], want)
+
+
+def test_other_layouts_keep_plain_order():
+    x = mx.array(np.random.default_rng(0).normal(size=(2, 3, 32, 96)).astype(np.float32)).astype(mx.float16)
+    for bits, g, d in ((8, 32, 96), (2, 16, 96), (4, 32, 96)):
+        y = x[:, :, :g, :d]
+        codes = quantize_key_blocks(y, bits=bits)[0]
+        assert np.array_equal(np.array(codes), np.array(plain_key_codes(codes, bits)))
 
 
 @FAST

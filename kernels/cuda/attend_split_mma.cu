@@ -4,11 +4,15 @@
 // and runs m16n8k16 MMAs with float32 accumulation:
 //   K phase: scores[token][rep] = K_hat[32 tokens][D] . q^T, rows = tokens (2 m-tiles),
 //     n = query heads (padded to 8). Lane (g = lane / 4, f = lane % 4) holds tokens
-//     4g .. 4g+3 (one 4-code unit of a channel row) for channels 2f, 2f+1, 2f+8, 2f+9
-//     of each 16-channel k-tile.
+//     4g .. 4g+3 (one 4-code unit of a channel row) for channels 4f .. 4f+3 of each
+//     16-channel k-tile (its k-pairs 2f, 2f+1 and 2f+8, 2f+9 are channels 4f, 4f+1 and
+//     4f+2, 4f+3: any order of k works when q uses the same one).
 //   V phase: out^T[channel][rep] += V_hat^T[D][32 tokens] . p^T, rows = channels, k =
 //     tokens. Lane holds channels 32mp + 4g .. +3 (one unit of a token row) for tokens
 //     8f .. 8f+7, so its value scales (staged transposed, [group][token]) are adjacent.
+//   The pool is in lane order (kernels/layout.py): a lane's code units of a block are
+//     D * BITS / 32 adjacent words of each tile, loaded with 16-byte loads
+//     (kivi_lane_words) and split into operands by kivi_lane_operands.
 //   p goes through shared memory in SD ([8][32] per warp): the transpose between the
 //   two fragment layouts.
 // FOLD (template constant; 1 exactly for fp16 pools): no code is dequantized. Since
@@ -21,23 +25,20 @@
 // exact, and the MMA's float32 sums are multiplied back by 2^(24 - O) (O is fixed per
 // accumulator register). Dequantizing was LOP3 + HSUB2 + HFMA2 per pair, ~45% of a
 // tile's instructions: offline SASS (kernels.cuda_offline, D = 128) puts the block loop
-// at 657 instead of 856 instructions at 4 bits and 606 instead of 817 at 2 bits.
+// at 559 instead of 737 instructions at 4 bits and 519 instead of 711 at 2 bits.
 // Numerics: K_hat and V_hat are never rounded; q * s and p * s are, once each to
 // fp16 (2^-11 relative), with zeros' terms from the rounded q and p. fp16 only: a
 // bf16 code would be a bf16 subnormal (2^-133), whose products underflow float32.
   constexpr int P = 8 / BITS;
-  constexpr int KROW = G / P;     // bytes of a k_codes row (one channel)
-  constexpr int VROW = D / P;     // bytes of a v_codes row (one token)
-  constexpr int UB = BITS / 2;    // bytes of a 4-code unit
+  constexpr int LW = D * BITS / 32;  // code words of a lane in a K (and in a V) tile
   constexpr int KT = D / 16;      // k-tiles of the K phase
   constexpr int MP = D / 32;      // channel m-tile pairs of the V phase (one group each)
   constexpr int NG = D / G;       // value groups per token
-  constexpr int NCH = VROW / 16;  // 16-byte chunks per value row (swizzled in smem)
-  constexpr int KTILE = D * KROW;
-  constexpr int VTILE = G * VROW;
+  constexpr int KTILE = D * G / P;
+  constexpr int VTILE = G * D / P;
   constexpr int SB = KTILE + VTILE + 4 * D * 2;  // one staged block
   constexpr int WB = 2 * SB + 4 * D + 16 * G;    // per warp: 2 stages, v scales^T, p
-  static_assert(G == 32, "MMA kernel: G = 32");
+  static_assert(kivi_lane_order<BITS, G, D>(), "MMA kernel: G = 32, bits 2 or 4, D 64 or 128 (lane order)");
   static_assert(!FOLD || kivi_same<SD, __half>::value, "FOLD: fp16 pools only (fp16 subnormal codes)");
   static_assert(WB >= REP * (D + 32) * 4, "tail warp scratch fits in its region");
   // Per warp: stages 0 and 1 (cp.async double buffer), the value scales and zeros
@@ -85,9 +86,9 @@
     qb[kt][0] = 0u;
     qb[kt][1] = 0u;
     if (g < REP) {
-      const T* qr = qp + g * D + kt * 16 + 2 * f;
+      const T* qr = qp + g * D + kt * 16 + 4 * f;  // channels 4f .. 4f+3 (see the K phase)
       qb[kt][0] = kivi_pack2f<SD>(kivi_f(qr[0]), kivi_f(qr[1]));
-      qb[kt][1] = kivi_pack2f<SD>(kivi_f(qr[8]), kivi_f(qr[9]));
+      qb[kt][1] = kivi_pack2f<SD>(kivi_f(qr[2]), kivi_f(qr[3]));
     }
   }
   float m2[2] = {KIVI_NEG_INF, KIVI_NEG_INF};  // query heads 2f, 2f+1
@@ -146,27 +147,29 @@
     for (int i = 0; i < 2; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) sc[i][j] = sc2[i][j] = 0.0f;
-    const uint8_t* kl = kc + (2 * f) * KROW + g * UB;  // channel 2f, tokens 4g ..
-    const SD* ksl = ks + 2 * f;
-    const SD* kzl = kz + 2 * f;
+    const SD* ksl = ks + 4 * f;
+    const SD* kzl = kz + 4 * f;
+    uint32_t kw[LW];  // k-tile kt: tokens 4g .. 4g+3 of channels 16kt + 4f .. +3
+    kivi_lane_words<LW>(kc, lane, kw);
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) {
-      const uint8_t* kk = kl + kt * 16 * KROW;
-      const uint32_t s01 = *reinterpret_cast<const uint32_t*>(ksl + kt * 16);
-      const uint32_t z01 = *reinterpret_cast<const uint32_t*>(kzl + kt * 16);
-      const uint32_t s89 = *reinterpret_cast<const uint32_t*>(ksl + kt * 16 + 8);
-      const uint32_t z89 = *reinterpret_cast<const uint32_t*>(kzl + kt * 16 + 8);
+      // The four channels' scales (zeros) are adjacent: one 8-byte load each.
+      const uint2 sv = *reinterpret_cast<const uint2*>(ksl + kt * 16);
+      const uint2 zw = *reinterpret_cast<const uint2*>(kzl + kt * 16);
+      const uint32_t s01 = sv.x, s89 = sv.y, z01 = zw.x, z89 = zw.y;
+      uint32_t w01, w89;  // units of channels 4f|4f+1 and 4f+2|4f+3
+      kivi_lane_operands<BITS>(kw, kt, w01, w89);
       uint32_t x01[4], x89[4];
       uint32_t qa = qb[kt][0], qc = qb[kt][1];
       if constexpr (FOLD) {  // codes * (q * scale) + zero . q (zc)
-        kivi_codes4<BITS>(kivi_unit2<BITS>(kk, 0, KROW), x01);
-        kivi_codes4<BITS>(kivi_unit2<BITS>(kk, 8 * KROW, 9 * KROW), x89);
+        kivi_codes4<BITS>(w01, x01);
+        kivi_codes4<BITS>(w89, x89);
         qa = kivi_hmul2(qa, s01);
         qc = kivi_hmul2(qc, s89);
         kivi_mma<SD>(zc, z01, z01, z89, z89, qb[kt][0], qb[kt][1]);
       } else {
-        kivi_deq4<SD, BITS>(kivi_unit2<BITS>(kk, 0, KROW), s01, z01, x01);
-        kivi_deq4<SD, BITS>(kivi_unit2<BITS>(kk, 8 * KROW, 9 * KROW), s89, z89, x89);
+        kivi_deq4<SD, BITS>(w01, s01, z01, x01);
+        kivi_deq4<SD, BITS>(w89, s89, z89, x89);
       }
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
@@ -241,11 +244,10 @@
         kivi_mma<SD>(zv, za, za, zb, zb, kt ? pq.z : pq.x, kt ? pq.w : pq.y);
       }
     }
+    uint32_t vw[LW];  // (mp, kt): channels 32mp + 4g .. +3 of tokens 8f + 4kt .. +3
+    kivi_lane_words<LW>(vc, lane, vw);
 #pragma unroll
     for (int mp = 0; mp < MP; ++mp) {
-      // unit: channels 32mp + 4g .. +3, in the swizzled chunk of rows 8f .. 8f+7
-      const int u0 = (mp * 8 + g) * UB;
-      const uint8_t* vl = vc + 8 * f * VROW + ((((u0 >> 4) ^ (f & (NCH - 1))) << 4) | (u0 & 15));
 #pragma unroll
       for (int kt = 0; kt < 2; ++kt) {
         const int ta = 4 * kt;  // token offset within the lane's rows 8f ..
@@ -255,16 +257,18 @@
         const uint32_t pb0 = kt ? pq.z : pq.x;
         const uint32_t pb1 = kt ? pq.w : pq.y;
         uint32_t pa = pb0, pc = pb1;
+        uint32_t wa, wb;  // units of tokens ta|ta+1 and ta+2|ta+3
+        kivi_lane_operands<BITS>(vw, 2 * mp + kt, wa, wb);
         if constexpr (FOLD) {  // codes * (p * scale), the zeros' term in zv
-          kivi_codes4<BITS>(kivi_unit2<BITS>(vl, ta * VROW, (ta + 1) * VROW), xa);
-          kivi_codes4<BITS>(kivi_unit2<BITS>(vl, (ta + 2) * VROW, (ta + 3) * VROW), xb);
+          kivi_codes4<BITS>(wa, xa);
+          kivi_codes4<BITS>(wb, xb);
           pa = kivi_hmul2(pa, sa);
           pc = kivi_hmul2(pc, sb);
         } else {
           const uint32_t za = *reinterpret_cast<const uint32_t*>(vzl + mp * G + ta);
           const uint32_t zb = *reinterpret_cast<const uint32_t*>(vzl + mp * G + ta + 2);
-          kivi_deq4<SD, BITS>(kivi_unit2<BITS>(vl, ta * VROW, (ta + 1) * VROW), sa, za, xa);
-          kivi_deq4<SD, BITS>(kivi_unit2<BITS>(vl, (ta + 2) * VROW, (ta + 3) * VROW), sb, zb, xb);
+          kivi_deq4<SD, BITS>(wa, sa, za, xa);
+          kivi_deq4<SD, BITS>(wb, sb, zb, xb);
         }
 #pragma unroll
         for (int i = 0; i < 2; ++i) {

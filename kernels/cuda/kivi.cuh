@@ -146,6 +146,35 @@ __device__ __forceinline__ uint32_t kivi_quantize(float x, float zf, float sf) {
   return uint32_t(q);
 }
 
+// Lane order (kernels/layout.py): tiles of G = 32 tokens at 2 or 4 bits, D 64 or 128,
+// keep their 4-code units where the tensor-core kernel's lane loads them as words.
+// Unit i of a lane's four (channels or tokens c0..c3 of one k-tile) sits at slot
+// kivi_lane_ord<BITS>(i): c0, c2, c1, c3 at 2 bits (bytes; see kivi_lane_operands),
+// c0..c3 at 4 bits (16-bit units).
+template <int BITS, int G, int D> __device__ __forceinline__ constexpr bool kivi_lane_order() {
+  return (BITS == 2 || BITS == 4) && G == 32 && (D == 64 || D == 128);
+}
+template <int BITS> __device__ __forceinline__ constexpr int kivi_lane_ord(int i) {
+  return BITS == 2 ? (((i & 1) << 1) | (i >> 1)) : i;
+}
+// Unit index of key unit u (tokens 4u .. 4u+3) of channel c, and of value unit u
+// (channels 4u .. 4u+3) of token t, within a lane-order tile (times BITS / 2: bytes).
+template <int D, int BITS> __device__ __forceinline__ int kivi_lane_k(int c, int u) {
+  return ((u * 4 + ((c & 15) >> 2)) * (D / 16) + (c >> 4)) * 4 + kivi_lane_ord<BITS>(c & 3);
+}
+template <int D, int BITS> __device__ __forceinline__ int kivi_lane_v(int t, int u) {
+  return ((((u & 7) * 4 + (t >> 3)) * (D / 32) + (u >> 3)) * 2 + ((t & 7) >> 2)) * 4 +
+         kivi_lane_ord<BITS>(t & 3);
+}
+// Store unit `unit` (4 codes, low bits first) at unit index i of a lane-order tile.
+template <int BITS> __device__ __forceinline__ void kivi_lane_store(uint8_t* tile, int i, uint32_t unit) {
+  if constexpr (BITS == 2) {
+    tile[i] = (uint8_t)unit;
+  } else {
+    reinterpret_cast<unsigned short*>(tile)[i] = (unsigned short)unit;
+  }
+}
+
 // One new block of one kv head, thread d of D: the key group of channel d (the G
 // rows of rk) and the value group d (token d / NG, channel group d % NG of the rows
 // of rv), written at output index fh (= new block * H_kv + kv head). Shared by both
@@ -183,13 +212,23 @@ __device__ __forceinline__ void kivi_flush_block(const SD* rk, const SD* rv, int
     SD zero, scale;
     float zf, sf;
     kivi_group_params<SD, BITS>(mn, mx, zero, scale, zf, sf);
-    uint32_t* dst = reinterpret_cast<uint32_t*>(k_codes + ((size_t)fh * D + d) * (G / P));
+    if constexpr (kivi_lane_order<BITS, G, D>()) {  // a unit (4 tokens) at a time
 #pragma unroll
-    for (int w = 0; w < G / CPW; ++w) {
-      uint32_t word = 0u;
+      for (int u = 0; u < G / 4; ++u) {
+        uint32_t unit = 0u;
 #pragma unroll
-      for (int j = 0; j < CPW; ++j) word |= kivi_quantize<BITS>(kivi_f(xk[w * CPW + j]), zf, sf) << (j * BITS);
-      dst[w] = word;
+        for (int j = 0; j < 4; ++j) unit |= kivi_quantize<BITS>(kivi_f(xk[4 * u + j]), zf, sf) << (j * BITS);
+        kivi_lane_store<BITS>(k_codes + (size_t)fh * D * (G / P), kivi_lane_k<D, BITS>(d, u), unit);
+      }
+    } else {
+      uint32_t* dst = reinterpret_cast<uint32_t*>(k_codes + ((size_t)fh * D + d) * (G / P));
+#pragma unroll
+      for (int w = 0; w < G / CPW; ++w) {
+        uint32_t word = 0u;
+#pragma unroll
+        for (int j = 0; j < CPW; ++j) word |= kivi_quantize<BITS>(kivi_f(xk[w * CPW + j]), zf, sf) << (j * BITS);
+        dst[w] = word;
+      }
     }
     k_scales[(size_t)fh * D + d] = scale;
     k_zeros[(size_t)fh * D + d] = zero;
@@ -206,14 +245,24 @@ __device__ __forceinline__ void kivi_flush_block(const SD* rk, const SD* rv, int
     SD zero, scale;
     float zf, sf;
     kivi_group_params<SD, BITS>(mn, mx, zero, scale, zf, sf);
-    uint32_t* dst = reinterpret_cast<uint32_t*>(
-        v_codes + ((size_t)fh * G + t) * (D / P) + gi * (G / P));
+    if constexpr (kivi_lane_order<BITS, G, D>()) {  // a unit (4 channels) at a time
 #pragma unroll
-    for (int w = 0; w < G / CPW; ++w) {
-      uint32_t word = 0u;
+      for (int u = 0; u < G / 4; ++u) {
+        uint32_t unit = 0u;
 #pragma unroll
-      for (int j = 0; j < CPW; ++j) word |= kivi_quantize<BITS>(kivi_f(xv[w * CPW + j]), zf, sf) << (j * BITS);
-      dst[w] = word;
+        for (int j = 0; j < 4; ++j) unit |= kivi_quantize<BITS>(kivi_f(xv[4 * u + j]), zf, sf) << (j * BITS);
+        kivi_lane_store<BITS>(v_codes + (size_t)fh * G * (D / P), kivi_lane_v<D, BITS>(t, gi * (G / 4) + u), unit);
+      }
+    } else {
+      uint32_t* dst = reinterpret_cast<uint32_t*>(
+          v_codes + ((size_t)fh * G + t) * (D / P) + gi * (G / P));
+#pragma unroll
+      for (int w = 0; w < G / CPW; ++w) {
+        uint32_t word = 0u;
+#pragma unroll
+        for (int j = 0; j < CPW; ++j) word |= kivi_quantize<BITS>(kivi_f(xv[w * CPW + j]), zf, sf) << (j * BITS);
+        dst[w] = word;
+      }
     }
     v_scales[(size_t)fh * D + d] = scale;
     v_zeros[(size_t)fh * D + d] = zero;
@@ -448,17 +497,6 @@ __device__ __forceinline__ void kivi_deq4(uint32_t w, uint32_t s2, uint32_t z2, 
   }
 }
 
-// Two 4-code units (4 * BITS bits each; byte offsets a and b of p) in the two halves.
-template <int BITS>
-__device__ __forceinline__ uint32_t kivi_unit2(const uint8_t* p, int a, int b) {
-  if constexpr (BITS == 4) {
-    return uint32_t(*reinterpret_cast<const unsigned short*>(p + a)) |
-           (uint32_t(*reinterpret_cast<const unsigned short*>(p + b)) << 16);
-  } else {
-    return uint32_t(p[a]) | (uint32_t(p[b]) << 16);
-  }
-}
-
 // FOLD (fp16 pools): the scale moves onto the other MMA operand and the zero into a
 // separate MMA, so a code pair costs one AND. Code j of each 16-bit half of w stays at
 // its bit position O_j (kivi_code_pos) with a zero exponent field: the fp16 subnormal
@@ -499,25 +537,54 @@ template <int N> __device__ __forceinline__ void kivi_cp_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// A lane's code words of a staged lane-order tile: LW / 4 16-byte chunks, lane l's at
+// chunks C l .. C l + C - 1 (C = LW / 4). The 8 lanes of one quarter-warp's 16-byte
+// loads would hit the same banks for C > 1, so chunk h of lane l is staged at
+// C l + (h ^ ((C l / 8) % C)) (kivi_lane_chunk): a bijection, conflict-free.
+template <int C> __device__ __forceinline__ int kivi_lane_chunk(int i) { return i ^ ((i >> 3) & (C - 1)); }
+
+template <int LW>
+__device__ __forceinline__ void kivi_lane_words(const uint8_t* tile, int lane, uint32_t (&w)[LW]) {
+  constexpr int C = LW / 4;
+  const uint4* src = reinterpret_cast<const uint4*>(tile) + lane * C;
+#pragma unroll
+  for (int h = 0; h < C; ++h) {
+    const uint4 v = src[h ^ (((lane * C) >> 3) & (C - 1))];
+    w[4 * h] = v.x;
+    w[4 * h + 1] = v.y;
+    w[4 * h + 2] = v.z;
+    w[4 * h + 3] = v.w;
+  }
+}
+
+// The two MMA operands' code words of a lane's k-tile (keys) or token quad (values) i:
+// units 0|1 and 2|3 (kernels/layout.py). 4 bits: words 2i, 2i + 1. 2 bits: word i holds
+// units 0, 2 in its low bytes of each half and 1, 3 in its high bytes, so the word
+// itself and the word >> 8 (kivi_codes4 masks the low byte of each half).
+template <int BITS>
+__device__ __forceinline__ void kivi_lane_operands(const uint32_t* w, int i, uint32_t& a, uint32_t& b) {
+  if constexpr (BITS == 2) {
+    a = w[i];
+    b = w[i] >> 8;
+  } else {
+    a = w[2 * i];
+    b = w[2 * i + 1];
+  }
+}
+
 // Stage one (block, kv head) tile into dst: [k codes][v codes][k scales][k zeros]
-// [v scales][v zeros], all contiguous in global memory per tile.
+// [v scales][v zeros], all contiguous in global memory per tile; the codes in lane order.
 template <typename SD, int D, int KTILE, int VTILE>
 __device__ __forceinline__ void kivi_stage_tile(uint8_t* dst, int lane, size_t tile,
                                                 const uint8_t* k_codes, const uint8_t* v_codes,
                                                 const SD* k_scales, const SD* k_zeros,
                                                 const SD* v_scales, const SD* v_zeros) {
   constexpr int SC = D / 8;  // 16-byte chunks of one scale or zero array (D values)
+  constexpr int C = KTILE / 16 / 32;  // chunks per lane
   const uint8_t* kc = k_codes + tile * KTILE;
   const uint8_t* vc = v_codes + tile * VTILE;
-  for (int i = lane; i < KTILE / 16; i += 32) kivi_cp16(dst + i * 16, kc + i * 16);
-  // Value rows are stored swizzled: chunk c of token row t goes to chunk c ^ ((t / 8) %
-  // NCH), so the V phase's lanes (rows 8f + ..) hit different banks (a 4-way conflict
-  // at 4 bits otherwise).
-  constexpr int NCH = (VTILE / 32) / 16;  // 16-byte chunks per token row (G = 32 rows)
-  for (int i = lane; i < VTILE / 16; i += 32) {
-    const int t = i / NCH, c = i % NCH;
-    kivi_cp16(dst + KTILE + (t * NCH + (c ^ ((t >> 3) & (NCH - 1)))) * 16, vc + i * 16);
-  }
+  for (int i = lane; i < KTILE / 16; i += 32) kivi_cp16(dst + kivi_lane_chunk<C>(i) * 16, kc + i * 16);
+  for (int i = lane; i < VTILE / 16; i += 32) kivi_cp16(dst + KTILE + kivi_lane_chunk<C>(i) * 16, vc + i * 16);
   for (int i = lane; i < 4 * SC; i += 32) {
     const int a = i / SC, c = i % SC;
     const SD* src = (a == 0 ? k_scales : a == 1 ? k_zeros : a == 2 ? v_scales : v_zeros);

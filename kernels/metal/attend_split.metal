@@ -10,6 +10,7 @@
   constexpr int LR = D / 8;
   constexpr int TPI = 32 / LR;
   constexpr int VU = (G / TPI < 8) ? G / TPI : 8;
+  constexpr bool LANE = kivi_lane_order<BITS, G, D>();
 
   threadgroup float qs[D * REP];
   threadgroup float ps[NW * REP * STEP];
@@ -68,7 +69,14 @@
         const device SD* kzp = k_zeros + tile * D;
         for (int d0 = 0; d0 < D; d0 += 8) {
           uint lo[8], hi[8];
-          for (int i = 0; i < 8; ++i) kivi_load8<BITS>(kc + (d0 + i) * KROW, lo[i], hi[i]);
+          for (int i = 0; i < 8; ++i) {
+            if (LANE) {  // units 2 seg, 2 seg + 1 of channel d0 + i
+              kivi_lane_load8<BITS>(k_codes + tile * (D * KROW), kivi_lane_k<D, BITS>(d0 + i, 2 * seg),
+                                    kivi_lane_k<D, BITS>(d0 + i, 2 * seg + 1), lo[i], hi[i]);
+            } else {
+              kivi_load8<BITS>(kc + (d0 + i) * KROW, lo[i], hi[i]);
+            }
+          }
           float ks[8], kz[8];
           kivi_load8f<SD>(ksp + d0, ks);
           kivi_load8f<SD>(kzp + d0, kz);
@@ -116,7 +124,12 @@
           float vs[VU], vz[VU];
           for (int i = 0; i < VU; ++i) {
             const int t = t0 + i * TPI;
-            kivi_load8<BITS>(vc + t * VROW, lo[i], hi[i]);
+            if (LANE) {  // units 2 cc, 2 cc + 1 of token t
+              kivi_lane_load8<BITS>(v_codes + tile * (G * VROW), kivi_lane_v<D, BITS>(t, 2 * cc),
+                                    kivi_lane_v<D, BITS>(t, 2 * cc + 1), lo[i], hi[i]);
+            } else {
+              kivi_load8<BITS>(vc + t * VROW, lo[i], hi[i]);
+            }
             vs[i] = kivi_f(vsp[t * NG]);
             vz[i] = kivi_f(vzp[t * NG]);
           }

@@ -18,14 +18,22 @@
     SD zero, scale;
     float zf, sf;
     kivi_group_params<SD, BITS>(mn, mx, zero, scale, zf, sf);
-    device uint* dst = reinterpret_cast<device uint*>(k_codes + (size_t(fh) * D + d) * (G / P));
-    for (int w = 0; w < G / CPW; ++w) {
-      uint word = 0u;
-      for (int j = 0; j < CPW; ++j) {
-        const float v = kivi_f(x[size_t(w * CPW + j) * D]);
-        word |= kivi_quantize<BITS>(v, zf, sf) << (j * BITS);
+    if (kivi_lane_order<BITS, G, D>()) {  // a unit (4 tokens) at a time
+      for (int u = 0; u < G / 4; ++u) {
+        uint unit = 0u;
+        for (int j = 0; j < 4; ++j) unit |= kivi_quantize<BITS>(kivi_f(x[size_t(4 * u + j) * D]), zf, sf) << (j * BITS);
+        kivi_lane_store<BITS>(k_codes + size_t(fh) * D * (G / P), kivi_lane_k<D, BITS>(d, u), unit);
       }
-      dst[w] = word;
+    } else {
+      device uint* dst = reinterpret_cast<device uint*>(k_codes + (size_t(fh) * D + d) * (G / P));
+      for (int w = 0; w < G / CPW; ++w) {
+        uint word = 0u;
+        for (int j = 0; j < CPW; ++j) {
+          const float v = kivi_f(x[size_t(w * CPW + j) * D]);
+          word |= kivi_quantize<BITS>(v, zf, sf) << (j * BITS);
+        }
+        dst[w] = word;
+      }
     }
     k_scales[size_t(fh) * D + d] = scale;
     k_zeros[size_t(fh) * D + d] = zero;
@@ -43,14 +51,22 @@
     SD zero, scale;
     float zf, sf;
     kivi_group_params<SD, BITS>(mn, mx, zero, scale, zf, sf);
-    device uint* dst = reinterpret_cast<device uint*>(
-        v_codes + (size_t(fh) * G + t) * (D / P) + gi * (G / P));
-    for (int w = 0; w < G / CPW; ++w) {
-      uint word = 0u;
-      for (int j = 0; j < CPW; ++j) {
-        word |= kivi_quantize<BITS>(kivi_f(x[w * CPW + j]), zf, sf) << (j * BITS);
+    if (kivi_lane_order<BITS, G, D>()) {  // a unit (4 channels) at a time
+      for (int u = 0; u < G / 4; ++u) {
+        uint unit = 0u;
+        for (int j = 0; j < 4; ++j) unit |= kivi_quantize<BITS>(kivi_f(x[4 * u + j]), zf, sf) << (j * BITS);
+        kivi_lane_store<BITS>(v_codes + size_t(fh) * G * (D / P), kivi_lane_v<D, BITS>(t, gi * (G / 4) + u), unit);
       }
-      dst[w] = word;
+    } else {
+      device uint* dst = reinterpret_cast<device uint*>(
+          v_codes + (size_t(fh) * G + t) * (D / P) + gi * (G / P));
+      for (int w = 0; w < G / CPW; ++w) {
+        uint word = 0u;
+        for (int j = 0; j < CPW; ++j) {
+          word |= kivi_quantize<BITS>(kivi_f(x[w * CPW + j]), zf, sf) << (j * BITS);
+        }
+        dst[w] = word;
+      }
     }
     v_scales[size_t(fh) * D + d] = scale;
     v_zeros[size_t(fh) * D + d] = zero;

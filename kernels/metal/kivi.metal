@@ -69,3 +69,36 @@ inline uint kivi_quantize(float x, float zf, float sf) {
   q = metal::fmin(metal::fmax(q, 0.0f), float((1 << BITS) - 1));
   return uint(q);
 }
+
+// Lane order (kernels/layout.py, as kernels/cuda/kivi.cuh): tiles of G = 32 at 2 or 4
+// bits, D 64 or 128, keep their 4-code units where the CUDA tensor-core kernel's lanes
+// load them; these give a unit's index in its tile (times BITS / 2: its byte).
+template <int BITS, int G, int D> constexpr bool kivi_lane_order() {
+  return (BITS == 2 || BITS == 4) && G == 32 && (D == 64 || D == 128);
+}
+template <int BITS> inline int kivi_lane_ord(int i) { return BITS == 2 ? (((i & 1) << 1) | (i >> 1)) : i; }
+template <int D, int BITS> inline int kivi_lane_k(int c, int u) {
+  return ((u * 4 + ((c & 15) >> 2)) * (D / 16) + (c >> 4)) * 4 + kivi_lane_ord<BITS>(c & 3);
+}
+template <int D, int BITS> inline int kivi_lane_v(int t, int u) {
+  return ((((u & 7) * 4 + (t >> 3)) * (D / 32) + (u >> 3)) * 2 + ((t & 7) >> 2)) * 4 + kivi_lane_ord<BITS>(t & 3);
+}
+// kivi_load8's words (8 codes: units a, b of one row) from a lane-order tile.
+template <int BITS>
+inline void kivi_lane_load8(const device uint8_t* tile, int a, int b, thread uint& lo, thread uint& hi) {
+  if (BITS == 2) {
+    lo = uint(tile[a]) | (uint(tile[b]) << 8);
+  } else {
+    const device ushort* t16 = reinterpret_cast<const device ushort*>(tile);
+    lo = uint(t16[a]) | (uint(t16[b]) << 16);
+  }
+  hi = 0u;
+}
+// Store unit `unit` (4 codes, low bits first) at unit index i of a lane-order tile.
+template <int BITS> inline void kivi_lane_store(device uint8_t* tile, int i, uint unit) {
+  if (BITS == 2) {
+    tile[i] = uint8_t(unit);
+  } else {
+    reinterpret_cast<device ushort*>(tile)[i] = ushort(unit);
+  }
+}
