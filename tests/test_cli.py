@@ -203,9 +203,12 @@ def test_generate_warns_only_when_no_worker_serves_its_queue(capsys, redis_url, 
 @pytest.mark.parametrize("detach", [False, True])
 def test_ctrl_c_cancels_the_job_unless_detach(redis_url, redis_conn, detach):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # SIGINT back to its default in the child: a test run started in the background by a
+    # non-interactive shell inherits it ignored, and Python then never raises KeyboardInterrupt.
     proc = subprocess.Popen([sys.executable, "-m", "kiviq.client.cli", "generate", "hi", "--redis-url", redis_url,
                              *(["--detach"] if detach else [])],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         first = proc.stderr.readline()
         assert first.startswith("kiviq: job "), first + proc.stderr.read()
