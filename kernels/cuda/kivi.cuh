@@ -175,6 +175,15 @@ template <int BITS> __device__ __forceinline__ void kivi_lane_store(uint8_t* til
   }
 }
 
+// N consecutive values' codes, packed low bits first (one 4-code unit or one word).
+template <typename SD, int BITS, int N>
+__device__ __forceinline__ uint32_t kivi_pack_codes(const SD* x, float zf, float sf) {
+  uint32_t packed = 0u;
+#pragma unroll
+  for (int j = 0; j < N; ++j) packed |= kivi_quantize<BITS>(kivi_f(x[j]), zf, sf) << (j * BITS);
+  return packed;
+}
+
 // One new block of one kv head, thread d of D: the key group of channel d (the G
 // rows of rk) and the value group d (token d / NG, channel group d % NG of the rows
 // of rv), written at output index fh (= new block * H_kv + kv head). Shared by both
@@ -214,21 +223,13 @@ __device__ __forceinline__ void kivi_flush_block(const SD* rk, const SD* rv, int
     kivi_group_params<SD, BITS>(mn, mx, zero, scale, zf, sf);
     if constexpr (kivi_lane_order<BITS, G, D>()) {  // a unit (4 tokens) at a time
 #pragma unroll
-      for (int u = 0; u < G / 4; ++u) {
-        uint32_t unit = 0u;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) unit |= kivi_quantize<BITS>(kivi_f(xk[4 * u + j]), zf, sf) << (j * BITS);
-        kivi_lane_store<BITS>(k_codes + (size_t)fh * D * (G / P), kivi_lane_k<D, BITS>(d, u), unit);
-      }
+      for (int u = 0; u < G / 4; ++u)
+        kivi_lane_store<BITS>(k_codes + (size_t)fh * D * (G / P), kivi_lane_k<D, BITS>(d, u),
+                              kivi_pack_codes<SD, BITS, 4>(xk + 4 * u, zf, sf));
     } else {
       uint32_t* dst = reinterpret_cast<uint32_t*>(k_codes + ((size_t)fh * D + d) * (G / P));
 #pragma unroll
-      for (int w = 0; w < G / CPW; ++w) {
-        uint32_t word = 0u;
-#pragma unroll
-        for (int j = 0; j < CPW; ++j) word |= kivi_quantize<BITS>(kivi_f(xk[w * CPW + j]), zf, sf) << (j * BITS);
-        dst[w] = word;
-      }
+      for (int w = 0; w < G / CPW; ++w) dst[w] = kivi_pack_codes<SD, BITS, CPW>(xk + w * CPW, zf, sf);
     }
     k_scales[(size_t)fh * D + d] = scale;
     k_zeros[(size_t)fh * D + d] = zero;
@@ -247,22 +248,13 @@ __device__ __forceinline__ void kivi_flush_block(const SD* rk, const SD* rv, int
     kivi_group_params<SD, BITS>(mn, mx, zero, scale, zf, sf);
     if constexpr (kivi_lane_order<BITS, G, D>()) {  // a unit (4 channels) at a time
 #pragma unroll
-      for (int u = 0; u < G / 4; ++u) {
-        uint32_t unit = 0u;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) unit |= kivi_quantize<BITS>(kivi_f(xv[4 * u + j]), zf, sf) << (j * BITS);
-        kivi_lane_store<BITS>(v_codes + (size_t)fh * G * (D / P), kivi_lane_v<D, BITS>(t, gi * (G / 4) + u), unit);
-      }
+      for (int u = 0; u < G / 4; ++u)
+        kivi_lane_store<BITS>(v_codes + (size_t)fh * G * (D / P), kivi_lane_v<D, BITS>(t, gi * (G / 4) + u),
+                              kivi_pack_codes<SD, BITS, 4>(xv + 4 * u, zf, sf));
     } else {
-      uint32_t* dst = reinterpret_cast<uint32_t*>(
-          v_codes + ((size_t)fh * G + t) * (D / P) + gi * (G / P));
+      uint32_t* dst = reinterpret_cast<uint32_t*>(v_codes + ((size_t)fh * G + t) * (D / P) + gi * (G / P));
 #pragma unroll
-      for (int w = 0; w < G / CPW; ++w) {
-        uint32_t word = 0u;
-#pragma unroll
-        for (int j = 0; j < CPW; ++j) word |= kivi_quantize<BITS>(kivi_f(xv[w * CPW + j]), zf, sf) << (j * BITS);
-        dst[w] = word;
-      }
+      for (int w = 0; w < G / CPW; ++w) dst[w] = kivi_pack_codes<SD, BITS, CPW>(xv + w * CPW, zf, sf);
     }
     v_scales[(size_t)fh * D + d] = scale;
     v_zeros[(size_t)fh * D + d] = zero;

@@ -1,0 +1,71 @@
+"""The Metal kernels, which no machine here can run, at least parse and instantiate.
+
+kernels/metal/ is written without Apple hardware (its GPU tests skip everywhere here).
+This compiles each kernel body, wrapped in a function with the arguments MLX's
+`metal_kernel` gives it, as C++17 with stand-ins for Metal's names
+(tests/metal_stand_ins.h), and instantiates every template the dispatcher can pick:
+a typo, an undeclared name or a type mismatch fails here instead of on a user's Mac.
+"""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+METAL = ROOT / "kernels" / "metal"
+
+ATTEND = """template <typename T, typename SD, int D, int G, int BITS, int REP, int NW>
+void attend(const device T* q, const device uint8_t* k_codes, const device SD* k_scales, const device SD* k_zeros,
+  const device uint8_t* v_codes, const device SD* v_scales, const device SD* v_zeros, const device SD* tail_k,
+  const device SD* tail_v, const device int32_t* block_tables, const device int32_t* num_blocks,
+  const device int32_t* slots, const device int32_t* tail_lens, const device int32_t* params,
+  const device float* qscale_in, device float* part_acc, device float* part_ml,
+  uint3 thread_position_in_threadgroup, uint thread_index_in_simdgroup, uint simdgroup_index_in_threadgroup,
+  uint3 threadgroup_position_in_grid, uint3 threadgroups_per_grid) {
+%s
+}
+"""
+FLUSH = """template <typename SD, int D, int G, int BITS>
+void flush(const device SD* rows_k, const device SD* rows_v, const device int32_t* params,
+  device uint8_t* k_codes, device SD* k_scales, device SD* k_zeros, device uint8_t* v_codes, device SD* v_scales,
+  device SD* v_zeros, uint3 thread_position_in_threadgroup, uint3 threadgroup_position_in_grid) {
+%s
+}
+"""
+MERGE = """template <typename T, int D, int REP>
+void merge(const device float* part_acc, const device float* part_ml, const device int32_t* params, device T* out,
+  uint3 thread_position_in_threadgroup, uint3 threadgroup_position_in_grid) {
+%s
+}
+"""
+
+
+def instantiations() -> list[str]:
+    lines = []
+    for sd in ("half", "bfloat16_t"):
+        for bits in (2, 4, 8):
+            for g, d in ((32, 64), (32, 128), (16, 64), (64, 128)):
+                lines.append(f"template void attend<{sd}, {sd}, {d}, {g}, {bits}, 4, 4>(const {sd}*, const uint8_t*, "
+                             f"const {sd}*, const {sd}*, const uint8_t*, const {sd}*, const {sd}*, const {sd}*, "
+                             f"const {sd}*, const int32_t*, const int32_t*, const int32_t*, const int32_t*, "
+                             "const int32_t*, const float*, float*, float*, uint3, uint, uint, uint3, uint3);")
+                lines.append(f"template void flush<{sd}, {d}, {g}, {bits}>(const {sd}*, const {sd}*, const int32_t*, "
+                             f"uint8_t*, {sd}*, {sd}*, uint8_t*, {sd}*, {sd}*, uint3, uint3);")
+        lines.append(f"template void merge<{sd}, 128, 4>(const float*, const float*, const int32_t*, {sd}*, uint3, uint3);")
+    return lines
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (no Apple hardware needed)")
+def test_metal_kernels_parse_and_instantiate_as_cpp(tmp_path):
+    read = lambda name: (METAL / name).read_text()  # noqa: E731
+    unit = "\n".join([
+        '#include "metal_stand_ins.h"', read("kivi.metal"),
+        ATTEND % read("attend_split.metal"), FLUSH % read("flush_quantize.metal"), MERGE % read("attend_merge.metal"),
+        *instantiations()])
+    src = tmp_path / "metal_kernels.cpp"
+    src.write_text(unit)
+    r = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-Wall", "-Wno-unused", f"-I{ROOT / 'tests'}", str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "error" not in r.stderr, r.stderr[-3000:]
