@@ -60,7 +60,7 @@ def test_rq_sees_all_queues_from_start_and_worker_idle_or_busy(start_worker, red
 
     _wait_for(lambda: state() == "idle", 30, "idle worker")
     client = Client(redis_url)
-    job = client.submit(prompt="Count from one to one thousand: one, two,", max_tokens=150)
+    job = client.submit(prompt="Count from one to one thousand: one, two,", max_tokens=60)  # seconds on a CPU
     next(job.stream(timeout=120))  # its sequence is running
     assert state() == "busy"
     job.result(timeout=300)
