@@ -43,8 +43,9 @@ Measured: these ops give bit-identical codes, scales and zeros on CPU and on CUD
 
 from __future__ import annotations
 
-import mlx.core as mx
+import functools
 
+import mlx.core as mx
 import numpy as np
 
 from kiviq.kernels.layout import (
@@ -200,39 +201,44 @@ def dequantize_value_blocks(
     return x.reshape(q.shape).astype(dtype)
 
 
-def _lane_positions(codes: mx.array, bits: int, key: bool) -> np.ndarray | None:
-    """The lane-order positions of a tile of `codes` (key [..., D, G // P] or value
-    [..., G, D // P]), or None where its layout keeps plain order (`kernels.layout`)."""
+def _lane_index(codes: mx.array, bits: int, key: bool, to_lane: bool) -> mx.array | None:
+    """The gather index that takes a tile of `codes` (key [..., D, G // P] or value
+    [..., G, D // P]) to lane order (`to_lane`) or back to plain order; None where its
+    layout keeps plain order (`kernels.layout`)."""
     p = codes_per_byte(bits)
     g, d = (codes.shape[-1] * p, codes.shape[-2]) if key else (codes.shape[-2], codes.shape[-1] * p)
-    if not lane_order(bits, g, d):
-        return None
-    return key_lane_positions(d, bits) if key else value_lane_positions(d, bits)
+    return _tile_index(d, bits, key, to_lane) if lane_order(bits, g, d) else None
 
 
-def _permute_tiles(codes: mx.array, index: np.ndarray) -> mx.array:
-    """Each tile's (last two axes') bytes gathered by `index` (a permutation)."""
+@functools.lru_cache(maxsize=None)
+def _tile_index(d: int, bits: int, key: bool, to_lane: bool) -> mx.array:
+    # Made once: a host-made array per call would cost its creation and, on a GPU, a
+    # page migration at every use (prefill quantizes K and V of every layer).
+    pos = key_lane_positions(d, bits) if key else value_lane_positions(d, bits)
+    return mx.array(np.argsort(pos).astype(np.int32) if to_lane else pos)
+
+
+def _permute_tiles(codes: mx.array, index: mx.array | None) -> mx.array:
+    """Each tile's (last two axes') bytes gathered by `index` (None: unchanged)."""
+    if index is None:
+        return codes
     *lead, rows, row = codes.shape
-    flat = codes.reshape(*lead, rows * row)
-    return mx.take(flat, mx.array(index), axis=-1).reshape(codes.shape)
+    return mx.take(codes.reshape(*lead, rows * row), index, axis=-1).reshape(codes.shape)
 
 
 def _to_lane_order(codes: mx.array, bits: int, key: bool) -> mx.array:
     """Packed codes in plain order -> as the pool stores them (lane order where it applies)."""
-    pos = _lane_positions(codes, bits, key)
-    return codes if pos is None else _permute_tiles(codes, np.argsort(pos).astype(np.int32))
+    return _permute_tiles(codes, _lane_index(codes, bits, key, to_lane=True))
 
 
 def plain_key_codes(codes: mx.array, bits: int) -> mx.array:
     """Key codes [..., D, G // P] as the pool stores them -> plain order (`kernels.layout`)."""
-    pos = _lane_positions(codes, bits, key=True)
-    return codes if pos is None else _permute_tiles(codes, pos)
+    return _permute_tiles(codes, _lane_index(codes, bits, key=True, to_lane=False))
 
 
 def plain_value_codes(codes: mx.array, bits: int) -> mx.array:
     """Value codes [..., G, D // P] as the pool stores them -> plain order."""
-    pos = _lane_positions(codes, bits, key=False)
-    return codes if pos is None else _permute_tiles(codes, pos)
+    return _permute_tiles(codes, _lane_index(codes, bits, key=False, to_lane=False))
 
 
 def tokens_to_blocks(x: mx.array, group_size: int) -> mx.array:
