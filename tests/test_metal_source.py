@@ -69,3 +69,32 @@ def test_metal_kernels_parse_and_instantiate_as_cpp(tmp_path):
     r = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-Wall", "-Wno-unused", f"-I{ROOT / 'tests'}", str(src)],
                        capture_output=True, text=True)
     assert r.returncode == 0 and "error" not in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (no Apple hardware needed)")
+def test_metal_lane_order_index_math_matches_the_layout(tmp_path):
+    """kivi_lane_k / kivi_lane_v of kivi.metal (the same text as kivi.cuh's, which the
+    GPU tests cover), run on the CPU, put every unit where kernels.layout says."""
+    from kiviq.kernels.layout import key_lane_positions, value_lane_positions
+
+    cases = [(d, bits) for d in (64, 128) for bits in (2, 4)]
+    body = "\n".join(
+        f'for (int c = 0; c < {d}; ++c) for (int u = 0; u < 8; ++u) printf("%d ", kivi_lane_k<{d}, {bits}>(c, u));'
+        f' printf("\\n");'
+        f'for (int t = 0; t < 32; ++t) for (int u = 0; u < {d} / 4; ++u) printf("%d ", kivi_lane_v<{d}, {bits}>(t, u));'
+        f' printf("\\n");'
+        for d, bits in cases)
+    src = tmp_path / "lane_index.cpp"
+    src.write_text('#include <cstdio>\n#include "metal_stand_ins.h"\n' + (METAL / "kivi.metal").read_text()
+                   + "\nint main() {\n" + body + "\nreturn 0;\n}\n")
+    exe = tmp_path / "lane_index"
+    subprocess.run(["g++", "-std=c++17", f"-I{ROOT / 'tests'}", str(src), "-o", str(exe)], check=True,
+                   capture_output=True)
+    lines = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.splitlines()
+    for i, (d, bits) in enumerate(cases):
+        ub = bits // 2
+        for line, positions in ((lines[2 * i], key_lane_positions(d, bits)),
+                                (lines[2 * i + 1], value_lane_positions(d, bits))):
+            units = [int(v) for v in line.split()]
+            # positions are bytes; a unit's first byte is at unit index * (bits / 2)
+            assert [u * ub for u in units] == list(positions[::ub]), (d, bits)
