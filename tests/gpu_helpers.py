@@ -14,7 +14,7 @@ NEEDS_GPU = pytest.mark.skipif(
     not dispatch.kernel_available(),
     reason="needs MLX's CUDA backend (Linux+NVIDIA) or Metal (Apple silicon); this "
     "machine has neither (the Metal kernels were written without Apple hardware: only "
-    "tests/test_metal_source.py checks them, that they parse and instantiate)",
+    "tests/test_metal_source.py checks them, that they parse and their index math)",
 )
 gpu = [pytest.mark.gpu, NEEDS_GPU]
 
