@@ -4,7 +4,7 @@ Compiles `kivi_attend_split_mma` as MLX would (`kernels.cuda_offline`: nvcc for
 sm_90a, no register limit unless `--maxrregcount`), disassembles it with cuobjdump and
 counts the SASS instructions of the block loop (one (block, kv head) tile per trip).
 
-    python3 benchmarks/kernel_sass.py --bits 4 2 --fold 0 1
+    python3 benchmarks/kernel_sass.py --dtype fp16 bf16 --bits 4 2
 
 Needs nvcc (CUDA 12.4+) and cuobjdump: `pip install nvidia-cuda-cuobjdump` puts one
 under site-packages/nvidia/cu13/bin, found automatically, or give --cuobjdump.
@@ -30,7 +30,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", nargs="+", default=["fp16", "bf16"], choices=sorted(DTYPES))
     p.add_argument("--bits", type=int, nargs="+", default=[4, 2])
-    p.add_argument("--fold", type=int, nargs="+", default=[0, 1], help="FOLD template values (fp16 only)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--rep", type=int, default=4, help="query heads per kv head")
     p.add_argument("--maxrregcount", type=int, default=None)
@@ -41,19 +40,16 @@ def main() -> None:
     cuobjdump = a.cuobjdump or find_cuobjdump()
     if cuobjdump is None:
         sys.exit("cuobjdump not found: pip install nvidia-cuda-cuobjdump, or pass --cuobjdump")
-    ops = ("LOP3", "HADD2", "HFMA2", "HMUL2", "HMMA", "LDS", "PRMT", "FMUL", "FFMA")
+    ops = ("LOP3", "SHF", "HADD2", "HFMA2", "HMUL2", "HMMA", "LDS", "PRMT", "FMUL", "FFMA")
     print(f"D={a.head_dim}, REP={a.rep}, sm_90a, maxrregcount {a.maxrregcount or 'none'}")
-    print("| dtype | bits | FOLD | registers | block-loop instructions | " + " | ".join(ops) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(ops))
+    print("| dtype | bits | registers | block-loop instructions | " + " | ".join(ops) + " |")
+    print("|---|---|---|---|" + "---|" * len(ops))
     for name in a.dtype:
         for bits in a.bits:
-            for fold in a.fold:
-                if fold and name != "fp16":
-                    continue  # FOLD is an fp16 path (the kernel asserts it)
-                unit = split_mma_unit(DTYPES[name], bits, a.head_dim, a.rep, fold)
-                regs, loop = compile_and_count(unit, cuobjdump, a.maxrregcount)
-                print(f"| {name} | {bits} | {fold} | {regs} | {sum(loop.values())} | "
-                      + " | ".join(str(loop.get(o, 0)) for o in ops) + " |", flush=True)
+            unit = split_mma_unit(DTYPES[name], bits, a.head_dim, a.rep)
+            regs, loop = compile_and_count(unit, cuobjdump, a.maxrregcount)
+            print(f"| {name} | {bits} | {regs} | {sum(loop.values())} | "
+                  + " | ".join(str(loop.get(o, 0)) for o in ops) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,10 @@ CUDA backend.
    layout, not by a switch:
    a. `kivi_attend_split_mma` (attend_split_mma.cu) wherever `mma_supports`: bits 2/4,
       G = 32, D 64/128. Tensor cores: a warp double-buffers its blocks in shared
-      memory with cp.async, dequantizes K and V to the pool dtype in registers (the
-      code or-ed into the mantissa of a power of two, that constant subtracted, one
-      packed FMA with scale and zero: `kivi_deq4`) straight into m16n8k16 fragments,
-      float32 accumulation, online softmax in base 2. fp16 pools take its FOLD path
-      (`fold_applies`): scales folded into q and p, zeros in two small MMAs, a code
-      pair one AND; ~23% fewer instructions per tile, 1.09-1.15x faster at B >= 32.
+      memory with cp.async and never dequantizes: scales folded into q and p, zeros
+      (and bf16's code offsets) in small MMAs of their own, a code pair one LOP3 into
+      m16n8k16 fragments (`kivi_codes4`), float32 accumulation, online softmax in
+      base 2.
    b. `kivi_attend_split` (attend_split.cu) for the rest: 8-bit, G != 32, D 32/256.
       CUDA cores, float32 throughout; 4 warps per thread block share (b, h) and stage
       its query rows once; a warp step covers 256 tokens.
@@ -36,9 +34,8 @@ Numerics (vs the float32 reference; tests/test_kernels_gpu.py states the contrac
   * CUDA-core kernel: `q * scale + zero` contracted to one FMA, softmax in base 2 with
     log2(e) folded into the query scale, sums in another order: about 1e-6 relative
     before the final cast.
-  * MMA kernel: K_hat, V_hat rounded once to the pool dtype, q rounded to it for the
-    dot products and p for the value sum, float32 sums. Its FOLD path never rounds
-    K_hat or V_hat; it rounds q * scale and p * scale to fp16 instead.
+  * MMA kernel: K_hat and V_hat never rounded; q, q * scale, p and p * scale rounded
+    once each to the pool dtype, float32 sums.
 """
 
 from __future__ import annotations
@@ -80,12 +77,6 @@ def mma_supports(q_shape, pool: KiviPool, bits: int, group_size: int) -> str | N
     if not lane_order(bits, group_size, d):  # the layouts it reads (kernels.layout)
         return f"bits={bits}, G={group_size}, D={d} (MMA kernel: bits 2/4, G=32, D 64/128)"
     return None
-
-
-def fold_applies(pool: KiviPool) -> bool:
-    """Whether the MMA kernel takes its FOLD path for this pool: fp16 pools (a bf16 code
-    as a subnormal would underflow float32 products; attend_split_mma.cu)."""
-    return pool.k_scales.dtype == mx.float16
 
 
 def device_meta(meta: list, params_new: mx.array) -> tuple[list, list]:
@@ -140,7 +131,6 @@ class AttendPlan:
                                                     group_size=group_size, rep=rep)
         if mma:
             self.split = ATTEND_MMA_KERNEL
-            template = template + [("FOLD", int(fold_applies(pool)))]
         else:
             self.split = ATTEND_KERNEL
         self.split_kw["template"] = template
@@ -183,4 +173,4 @@ def kivi_decode_attend(q: mx.array, pool: KiviPool, block_tables, num_blocks, sl
     return plan(q, pool)
 
 
-__all__ = ["AttendPlan", "fold_applies", "kivi_decode_attend", "mma_supports"]
+__all__ = ["AttendPlan", "kivi_decode_attend", "mma_supports"]

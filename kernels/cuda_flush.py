@@ -65,7 +65,7 @@ def flush_launch(pool: KiviPool, rows_k, *, bits, group_size):
         grid=(n * h_kv * d, 1, 1),
         threadgroup=(d, 1, 1),
         output_shapes=[(n, h_kv, d, g // p), (n, h_kv, d), (n, h_kv, d),
-                       (n, h_kv, g, d // p), (n, h_kv, g, d // g), (n, h_kv, g, d // g)],
+                       (n, h_kv, g, d // p), (n, h_kv, d // g, g), (n, h_kv, d // g, g)],
         output_dtypes=[mx.uint8, sd, sd, mx.uint8, sd, sd],
     )
     template = flush_template(pool, bits=bits, group_size=group_size)

@@ -44,14 +44,14 @@ def find_cuobjdump() -> str | None:
     return None
 
 
-def split_mma_unit(sd, bits: int, d: int, rep: int, fold: int) -> str:
+def split_mma_unit(sd, bits: int, d: int, rep: int) -> str:
     """The MMA split kernel's translation unit for one template (q in the pool dtype)."""
     dtypes = {"q": sd, "k_codes": mx.uint8, "v_codes": mx.uint8, "qscale_in": mx.float32,
               **dict.fromkeys(("block_tables", "num_blocks", "slots", "tail_lens", "params"), mx.int32)}
     inputs = [(n, dtypes.get(n, sd)) for n in ATTEND_INPUTS]
     outputs = [(n, mx.float32) for n in ATTEND_OUTPUTS]
     template = [("T", sd), ("SD", sd), ("D", d), ("G", 32), ("BITS", bits), ("REP", rep),
-                ("NW", WARPS), ("FOLD", fold)]
+                ("NW", WARPS)]
     source = read("cuda/attend_split_mma.cu")
     return translation_unit("kivi_attend_split_mma", kernel_header(HEADER, source),
                             compact(source), inputs, outputs, template)

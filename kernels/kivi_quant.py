@@ -168,14 +168,16 @@ def quantize_value_blocks(
         scale_dtype: storage dtype; default bf16 for bf16 input, else fp16.
 
     Returns:
-        codes uint8 [N, H_kv, G, D // P], scales [N, H_kv, G, D // G], zeros alike.
+        codes uint8 [N, H_kv, G, D // P], scales [N, H_kv, D // G, G] (group-major:
+        a channel group's tokens adjacent), zeros alike.
     """
     n, h, g, d = v.shape
     check_layout(bits, g, d)
     sd = scale_dtype or default_scale_dtype(v.dtype)
     # vg: [N, H_kv, G, D // G, G] -- one group per (token, channel group).
     codes, scales, zeros = quantize_groups(v.reshape(n, h, g, d // g, g), bits, sd)
-    return _to_lane_order(pack(codes.reshape(n, h, g, d), bits), bits, key=False), scales, zeros
+    return (_to_lane_order(pack(codes.reshape(n, h, g, d), bits), bits, key=False),
+            mx.swapaxes(scales, -1, -2), mx.swapaxes(zeros, -1, -2))
 
 
 def dequantize_key_blocks(
@@ -191,13 +193,14 @@ def dequantize_value_blocks(
     codes: mx.array, scales: mx.array, zeros: mx.array, *, bits: int,
     dtype: mx.Dtype = mx.float32,
 ) -> mx.array:
-    """codes [..., G, D // P], scales/zeros [..., G, D // G] -> [..., G, D] in dtype.
+    """codes [..., G, D // P], scales/zeros [..., D // G, G] -> [..., G, D] in dtype.
 
     Blocks usually come as [N, H_kv, ...]; any leading axes work.
     """
     q = unpack(plain_value_codes(codes, bits), bits)
-    ng = scales.shape[-1]
-    x = dequantize_groups(q.reshape(*q.shape[:-1], ng, q.shape[-1] // ng), scales, zeros)
+    ng = scales.shape[-2]
+    x = dequantize_groups(q.reshape(*q.shape[:-1], ng, q.shape[-1] // ng),
+                          mx.swapaxes(scales, -1, -2), mx.swapaxes(zeros, -1, -2))
     return x.reshape(q.shape).astype(dtype)
 
 

@@ -4,7 +4,7 @@ Storage layout (full description in `kernels.layout`; kernels read exactly this)
     k_codes  uint8 [NB, H_kv, D, G // P]    per-channel key codes, P tokens per byte
     k_scales, k_zeros  [NB, H_kv, D]        fp16 | bf16
     v_codes  uint8 [NB, H_kv, G, D // P]    per-token value codes, P channels per byte
-    v_scales, v_zeros  [NB, H_kv, G, D // G]
+    v_scales, v_zeros  [NB, H_kv, D // G, G]  group-major
     tail_k, tail_v     [NS, H_kv, R + G, D] unquantized residual, by slot, oldest first
     P = 8 // b; code j of a byte at bits [j*b, j*b + b) (little-endian).
 Quantization contract and error bound: `kernels.kivi_quant`.

@@ -22,8 +22,9 @@ Shapes (per layer):
     v_codes   uint8       [NB, H_kv, G, D // P]   values, quantized PER TOKEN in groups
                                                   of G consecutive CHANNELS; a byte packs
                                                   P consecutive CHANNELS of one token
-    v_scales  fp16|bf16   [NB, H_kv, G, D // G]
-    v_zeros   fp16|bf16   [NB, H_kv, G, D // G]
+    v_scales  fp16|bf16   [NB, H_kv, D // G, G]   group-major: one channel group's G
+    v_zeros   fp16|bf16   [NB, H_kv, D // G, G]   tokens adjacent (a lane of the MMA
+                                                  kernel reads its 8 tokens' as 16 bytes)
     tail_k    fp16|bf16   [NS, H_kv, R + G, D]    the unquantized residual window, by
     tail_v    fp16|bf16   [NS, H_kv, R + G, D]    slot; tail token i is at index i
                                                   (oldest first); entries at index >=
@@ -153,8 +154,8 @@ def allocate_pool(
         k_scales=mx.zeros((nb, h, d), dtype=dtype),
         k_zeros=mx.zeros((nb, h, d), dtype=dtype),
         v_codes=mx.zeros((nb, h, g, d // p), dtype=mx.uint8),
-        v_scales=mx.zeros((nb, h, g, d // g), dtype=dtype),
-        v_zeros=mx.zeros((nb, h, g, d // g), dtype=dtype),
+        v_scales=mx.zeros((nb, h, d // g, g), dtype=dtype),
+        v_zeros=mx.zeros((nb, h, d // g, g), dtype=dtype),
         tail_k=mx.zeros((ns, h, residual + g, d), dtype=dtype),
         tail_v=mx.zeros((ns, h, residual + g, d), dtype=dtype),
     )

@@ -16,15 +16,11 @@ Expected mismatches (why the tolerances are not zero):
     oracle rounded (a tie broken differently): tolerance = 1 ulp of the dtype
     (2^-10 relative for fp16, 2^-7 for bf16) + 1e-4 of the row's largest |value|.
 The tensor-core split kernel (`cuda_attend.mma_supports`: bits 2/4, G = 32, D 64/128)
-has other numerics on purpose: it dequantizes K and V to the pool's dtype (one rounding,
-2^-11 relative in fp16, 2^-8 in bf16), rounds q to that dtype for the dot products and
-the probabilities p for the value sum (float32 accumulation throughout). Its oracle
-(`oracle_mma`) does the same roundings of K, V and q in float32 math, so only the
-rounding of p remains: |error| <= u * max|v| of the row's sequence (u = the dtype's unit
-roundoff), added to the tolerance above. With fp16 pools that kernel takes its FOLD path
-(scales folded into q and p, K and V never dequantized; cuda_attend.fold_applies): its
-oracle (`oracle_fold`) rounds q * scale exactly as the kernel does, and the rounding of
-p and of p * scale adds <= 3 u max|v| (tolerance: twice that).
+has other numerics on purpose: it never dequantizes (scales folded into q and p), so it
+rounds q, q * scale, p and p * scale to the pool's dtype (u = its unit roundoff, 2^-11
+in fp16, 2^-8 in bf16), float32 accumulation throughout. Its oracle (`oracle_fold`)
+rounds q and q * scale exactly as the kernel does; the rounding of p and of p * scale
+adds <= 3 u max|v| of the row's sequence (tolerance: twice that).
 The flush kernel has no a*b+c and must match codes, scales and zeros bit for bit.
 """
 
@@ -78,7 +74,7 @@ def make_case(rng, *, lens, h_kv, rep, d, bits, dtype, g=32):
     # k, v values span [zero, zero + L * scale] ~ [-2, 2]: scores of a few units.
     shapes = {
         "k_codes": (nb_pool, h_kv, d, g // p), "v_codes": (nb_pool, h_kv, g, d // p),
-        "k_scales": (nb_pool, h_kv, d), "v_scales": (nb_pool, h_kv, g, d // g),
+        "k_scales": (nb_pool, h_kv, d), "v_scales": (nb_pool, h_kv, d // g, g),
     }
     arrs = {}
     for kind in ("k", "v"):
@@ -147,50 +143,21 @@ def check_close(out, ref, dtype, label, extra=None):
         f"at ref {r[bad][:5]}, got {o[bad][:5]}")
 
 
-def oracle_mma(q, pool, table, nb, slots, tl, *, scale, bits, group_size=32):
-    """The MMA kernel's numerics in float32: quantized K and V dequantized and rounded
-    to the pool dtype, q rounded to it where blocks exist; the tail as stored.
-
-    Returns (reference [B, H_q, D] float32, extra tolerance [B, 1, 1] = 2 u max|v|).
-    """
-    sd = pool.k_scales.dtype
-    outs, extra = [], []
-    for i in range(q.shape[0]):
-        n, t, s = int(nb[i].item()), int(tl[i].item()), int(slots[i].item())
-        ks, vs = [pool.tail_k[s, :, :t]], [pool.tail_v[s, :, :t]]
-        if n:
-            idx = table[i, :n]
-            ks.insert(0, blocks_to_tokens(dequantize_key_blocks(
-                pool.k_codes[idx], pool.k_scales[idx], pool.k_zeros[idx], bits=bits, dtype=sd)))
-            vs.insert(0, blocks_to_tokens(dequantize_value_blocks(
-                pool.v_codes[idx], pool.v_scales[idx], pool.v_zeros[idx], bits=bits, dtype=sd)))
-        k = mx.concatenate(ks, axis=1).astype(mx.float32)
-        v = mx.concatenate(vs, axis=1).astype(mx.float32)
-        if k.shape[1] == 0:
-            outs.append(mx.zeros(q.shape[1:], dtype=mx.float32))
-            extra.append(0.0)
-            continue
-        qi = (q[i].astype(sd) if n else q[i]).astype(mx.float32)
-        outs.append(decode_attention_dense(qi, k, v, scale=scale))
-        extra.append(2 * UNIT_ROUNDOFF[sd] * float(mx.abs(v).max().item()))
-    ref = mx.stack(outs)
-    mx.eval(ref)
-    return ref, np.array(extra, dtype=np.float64)[:, None, None]
-
-
 def oracle_fold(q, pool, table, nb, slots, tl, *, scale, bits, group_size=32):
-    """The MMA kernel's FOLD numerics (fp16 pools), in float64: key scores
-    codes . fl16(fl16(q) * scale) + zeros . fl16(q) per block, exactly as the kernel
+    """The MMA kernel's numerics, in float64: key scores codes . rd(rd(q) * scale) +
+    zeros . rd(q) per block (rd: rounded to the pool dtype), exactly as the kernel
     rounds; values code * scale + zero, unrounded; the tail with q as given.
 
     Returns (reference [B, H_q, D] float32, extra tolerance [B, 1, 1] = 6 u max|v|):
     the kernel rounds p (<= u max|v| in the output) and p * scale (<= u * 2 max|v|:
     |code * scale| = |v - zero| <= 2 max|v|) for the values, which no oracle can
-    repeat (p depends on the running max); twice that bound, as for oracle_mma.
+    repeat (p depends on the running max); twice that bound.
     """
     h_kv, d = pool.tail_k.shape[1], pool.tail_k.shape[-1]
+    sd = pool.k_scales.dtype
     f64 = lambda a: np.array(a.astype(mx.float32), dtype=np.float64)  # noqa: E731
-    fl16 = lambda a: a.astype(np.float16).astype(np.float64)  # noqa: E731
+    # float64 -> float32 is exact for these products (<= 22 significant bits), so one rounding
+    rd = lambda a: f64(mx.array(a.astype(np.float32)).astype(sd))  # noqa: E731
     outs, extra = [], []
     for i in range(q.shape[0]):
         n, t, s = int(nb[i].item()), int(tl[i].item()), int(slots[i].item())
@@ -200,8 +167,8 @@ def oracle_fold(q, pool, table, nb, slots, tl, *, scale, bits, group_size=32):
             idx = table[i, :n]
             codes = np.array(unpack(plain_key_codes(pool.k_codes[idx], bits), bits), dtype=np.float64)  # [n, H_kv, D, G]
             ks, kz = f64(pool.k_scales[idx]), f64(pool.k_zeros[idx])  # [n, H_kv, D]
-            qr = fl16(qi)
-            qs = fl16(qr[None] * ks[:, :, None, :])  # [n, H_kv, rep, D]
+            qr = rd(qi)
+            qs = rd(qr[None] * ks[:, :, None, :])  # [n, H_kv, rep, D]
             sc = (np.einsum("nhdg,nhrd->hrng", codes, qs)
                   + np.einsum("nhd,hrd->hrn", kz, qr)[..., None])
             scores.append(sc.reshape(*sc.shape[:2], -1))
@@ -219,7 +186,7 @@ def oracle_fold(q, pool, table, nb, slots, tl, *, scale, bits, group_size=32):
         p = np.exp(logits - logits.max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True)
         outs.append(np.einsum("hrt,htd->hrd", p, v).reshape(q.shape[1:]))
-        extra.append(6 * UNIT_ROUNDOFF[mx.float16] * float(np.abs(v).max()))
+        extra.append(6 * UNIT_ROUNDOFF[sd] * float(np.abs(v).max()))
     return (mx.array(np.stack(outs).astype(np.float32)),
             np.array(extra, dtype=np.float64)[:, None, None])
 
@@ -229,9 +196,7 @@ def expect(q, pool, table, nb, slots, tl, *, scale, bits, group_size=32):
     args = (q, pool, table, nb, slots, tl)
     if (backend() is kivi_cuda
             and cuda_attend.mma_supports(q.shape, pool, bits, group_size) is None):
-        if cuda_attend.fold_applies(pool):
-            return oracle_fold(*args, scale=scale, bits=bits, group_size=group_size)
-        return oracle_mma(*args, scale=scale, bits=bits, group_size=group_size)
+        return oracle_fold(*args, scale=scale, bits=bits, group_size=group_size)
     return oracle(*args, scale=scale, bits=bits, group_size=group_size), None
 
 
@@ -335,34 +300,21 @@ def test_kernel_template_holds_no_length():
     assert len(grids) == 3
 
 
-def test_fold_path_is_chosen_for_fp16_pools_only():
-    """The MMA kernel's FOLD template constant (host side, no GPU needed): 1 for fp16
-    pools, 0 for bf16 (its codes would be bf16 subnormals)."""
-    rng = np.random.default_rng(5)
-
-    def fold(dtype):
-        q, pool, *meta = make_case(rng, lens=[(3, 40)], h_kv=2, rep=4, d=128, bits=2, dtype=dtype)
-        plan = kivi_cuda.AttendPlan(q.shape, q.dtype, pool, *meta, scale=0.1, bits=2, group_size=32)
-        return dict(plan.split_kw["template"])["FOLD"], cuda_attend.fold_applies(pool)
-
-    assert fold(mx.float16) == (1, True)
-    assert fold(mx.bfloat16) == (0, False)
-
-
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_fold_oracle_is_the_reference_within_its_stated_rounding(bits):
-    """oracle_fold (what the FOLD kernel is checked against on a GPU) against the
-    float32 reference, on any machine: its only departures are the fp16 roundings of
-    q and q * scale (scores) it models, so the outputs agree within a few fp16 ulps
-    of the values; a wrong fold (scale or zero on the wrong side) would not."""
+def test_fold_oracle_is_the_reference_within_its_stated_rounding(bits, dtype):
+    """oracle_fold (what the MMA kernel is checked against on a GPU) against the
+    float32 reference, on any machine: its only departures are the roundings of q and
+    q * scale (scores) it models, so the outputs agree within a few ulps of the values;
+    a wrong fold (scale or zero on the wrong side) would not."""
     rng = np.random.default_rng(11)
     args = make_case(rng, lens=[(3, 40), (0, 5), (9, 128)], h_kv=2, rep=4, d=128, bits=bits,
-                     dtype=mx.float16)
+                     dtype=dtype)
     ref = to_np(oracle(*args, scale=0.09, bits=bits))
     got, extra = oracle_fold(*args, scale=0.09, bits=bits)
-    vmax = extra / (6 * UNIT_ROUNDOFF[mx.float16])
+    vmax = extra / (6 * UNIT_ROUNDOFF[dtype])
     err = np.abs(to_np(got) - ref)
-    assert np.all(err <= 4 * UNIT_ROUNDOFF[mx.float16] * vmax), float(err.max())
+    assert np.all(err <= 4 * UNIT_ROUNDOFF[dtype] * vmax), float(err.max())
     assert err.max() > 0  # the roundings are there: the oracle is not the reference itself
 
 

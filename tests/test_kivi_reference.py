@@ -116,9 +116,11 @@ def test_quantize_matches_numpy_bit_for_bit(bits, dtype, g, kind, seed):
     x = mx.array(_sample(rng, (3, 2, g, 128), kind).astype(np.float32)).astype(dtype)
     xn = to_np(x)
     sd = mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
-    for quantize, plain, groups in (
-        (quantize_key_blocks, plain_key_codes, np.swapaxes(xn, -1, -2)),
-        (quantize_value_blocks, plain_value_codes, xn.reshape(3, 2, g, 128 // g, g)),
+    # (quantize, codes to plain order, the groups, scales as numpy lays them out)
+    for quantize, plain, groups, params in (
+        (quantize_key_blocks, plain_key_codes, np.swapaxes(xn, -1, -2), lambda a: a),
+        (quantize_value_blocks, plain_value_codes, xn.reshape(3, 2, g, 128 // g, g),
+         lambda a: np.swapaxes(a, -1, -2)),  # stored group-major: [N, H_kv, D // G, G]
     ):
         codes, scales, zeros = quantize(x, bits=bits)
         again = quantize(x, bits=bits)
@@ -126,8 +128,8 @@ def test_quantize_matches_numpy_bit_for_bit(bits, dtype, g, kind, seed):
             np.testing.assert_array_equal(np.array(a.view(mx.uint8)), np.array(b.view(mx.uint8)))
         q_np, s_np, z_np = np_quantize(groups, bits, sd)
         assert scales.dtype == sd and zeros.dtype == sd
-        np.testing.assert_array_equal(to_np(scales), s_np)
-        np.testing.assert_array_equal(to_np(zeros), z_np)
+        np.testing.assert_array_equal(params(to_np(scales)), s_np)
+        np.testing.assert_array_equal(params(to_np(zeros)), z_np)
         q_np = q_np.reshape(codes.shape[:3] + (-1,))  # back to [N, H_kv, D or G, G or D]
         np.testing.assert_array_equal(np.array(plain(codes, bits)), np_pack(q_np, bits))
 
@@ -198,8 +200,9 @@ def test_dequantization_error_bound(bits, dtype, g, length, kind, constant, seed
     levels = 2**bits - 1
     for quantize, dequantize, group_view in (
         (quantize_key_blocks, dequantize_key_blocks, lambda a: np.swapaxes(a, -1, -2)),
+        # value groups [N, H_kv, D // G, G tokens, G channels]: scales are group-major
         (quantize_value_blocks, dequantize_value_blocks,
-         lambda a: a.reshape(*a.shape[:3], d // g, g)),
+         lambda a: np.swapaxes(a.reshape(*a.shape[:3], d // g, g), 2, 3)),
     ):
         codes, scales, zeros = quantize(blocks, bits=bits)
         x_hat = dequantize(codes, scales, zeros, bits=bits)

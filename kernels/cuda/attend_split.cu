@@ -10,7 +10,6 @@
   constexpr int P = 8 / BITS;
   constexpr int KROW = G / P;        // bytes of one k_codes row (one channel, G tokens)
   constexpr int VROW = D / P;        // bytes of one v_codes row (one token, D channels)
-  constexpr int NG = D / G;          // value groups per token
   constexpr int LPB = G / 8;         // K phase: lanes per block (8 tokens each)
   constexpr int SB = 32 / LPB;       // blocks per warp step
   constexpr int STEP = SB * G;       // tokens per warp step (256)
@@ -124,8 +123,8 @@
         const int vb = __shfl_sync(KIVI_FULL, pb, jj * LPB);
         const size_t tile = (size_t)vb * H_kv + h;
         const uint8_t* vc = v_codes + tile * (G * VROW) + cc * BITS;
-        const SD* vsp = v_scales + tile * (G * NG) + (cc * 8) / G;
-        const SD* vzp = v_zeros + tile * (G * NG) + (cc * 8) / G;
+        const SD* vsp = v_scales + tile * D + (cc * 8) / G * G;  // [NG][G]: group, then token
+        const SD* vzp = v_zeros + tile * D + (cc * 8) / G * G;
         const float* pp = pw + jj * G;
         // VU tokens at a time, their loads issued together.
 #pragma unroll 1
@@ -136,8 +135,8 @@
           for (int i = 0; i < VU; ++i) {
             const int t = t0 + i * TPI;
             kivi_load8<BITS>(vc + t * VROW, lo[i], hi[i]);
-            vs[i] = kivi_f(__ldg(vsp + t * NG));
-            vz[i] = kivi_f(__ldg(vzp + t * NG));
+            vs[i] = kivi_f(__ldg(vsp + t));
+            vz[i] = kivi_f(__ldg(vzp + t));
           }
 #pragma unroll
           for (int i = 0; i < VU; ++i) {

@@ -1,7 +1,7 @@
 // The tensor-core split kernel (kivi_attend_split_mma): same inputs, outputs, grid and
 // merge as attend_split.cu; G = 32, bits 2 or 4, D 64 or 128, REP <= 8. A warp stages one
-// block (K and V codes, scales, zeros) in shared memory, dequantizes it to SD fragments
-// and runs m16n8k16 MMAs with float32 accumulation:
+// block (K and V codes, scales, zeros) in shared memory, turns its codes into SD
+// fragments and runs m16n8k16 MMAs with float32 accumulation:
 //   K phase: scores[token][rep] = K_hat[32 tokens][D] . q^T, rows = tokens (2 m-tiles),
 //     n = query heads (padded to 8). Lane (g = lane / 4, f = lane % 4) holds tokens
 //     4g .. 4g+3 (one 4-code unit of a channel row) for channels 4f .. 4f+3 of each
@@ -9,41 +9,38 @@
 //     4f+2, 4f+3: any order of k works when q uses the same one).
 //   V phase: out^T[channel][rep] += V_hat^T[D][32 tokens] . p^T, rows = channels, k =
 //     tokens. Lane holds channels 32mp + 4g .. +3 (one unit of a token row) for tokens
-//     8f .. 8f+7, so its value scales (staged transposed, [group][token]) are adjacent.
+//     8f .. 8f+7, so its value scales (stored group-major, [group][token]) are adjacent.
 //   The pool is in lane order (kernels/layout.py): a lane's code units of a block are
 //     D * BITS / 32 adjacent words of each tile, loaded with 16-byte loads
 //     (kivi_lane_words) and split into operands by kivi_lane_operands.
 //   p goes through shared memory in SD ([8][32] per warp): the transpose between the
 //   two fragment layouts.
-// FOLD (template constant; 1 exactly for fp16 pools): no code is dequantized. Since
-// K_hat = code * s + z per channel and V_hat = code * s + z per token and group,
+// No code is dequantized. Since K_hat = code * s + z per channel and V_hat = code * s + z
+// per token and group,
 //   scores = codes . (q * s) + z . q        out = codes^T . (p * s) + z^T . p
 // so the scale goes onto the other operand (one HMUL2 per 2 channels of q per block,
 // per 2 tokens of p per group), the zeros' terms are two small MMAs of their own
-// (zc; zv for all channel groups at once), and a code pair costs one AND: the code at
-// its bit position O with a zero exponent is the fp16 subnormal code * 2^(O - 24),
-// exact, and the MMA's float32 sums are multiplied back by 2^(24 - O) (O is fixed per
-// accumulator register). Dequantizing was LOP3 + HSUB2 + HFMA2 per pair, ~45% of a
-// tile's instructions: offline SASS (kernels.cuda_offline, D = 128) puts the block loop
-// at 559 instead of 737 instructions at 4 bits and 519 instead of 711 at 2 bits.
-// Numerics: K_hat and V_hat are never rounded; q * s and p * s are, once each to
-// fp16 (2^-11 relative), with zeros' terms from the rounded q and p. fp16 only: a
-// bf16 code would be a bf16 subnormal (2^-133), whose products underflow float32.
+// (zc; zv for all channel groups at once), and a code pair costs one LOP3 (kivi_codes4:
+// fp16 codes are subnormals, weighed back by 2^U per accumulator register; bf16 codes
+// carry an offset, whose term is one more small MMA each: tk = sum of q * s, tv = sum
+// of p * s per group). Dequantizing was LOP3 + HSUB2 + HFMA2 per pair, ~30-45% of a
+// tile's instructions (offline SASS, kernels.cuda_offline).
+// Numerics: K_hat and V_hat are never rounded; q * s and p * s are, once each to the
+// pool dtype, with zeros' terms from the rounded q and p.
   constexpr int P = 8 / BITS;
   constexpr int LW = D * BITS / 32;  // code words of a lane in a K (and in a V) tile
   constexpr int KT = D / 16;      // k-tiles of the K phase
   constexpr int MP = D / 32;      // channel m-tile pairs of the V phase (one group each)
-  constexpr int NG = D / G;       // value groups per token
   constexpr int KTILE = D * G / P;
   constexpr int VTILE = G * D / P;
   constexpr int SB = KTILE + VTILE + 4 * D * 2;  // one staged block
-  constexpr int WB = 2 * SB + 4 * D + 16 * G;    // per warp: 2 stages, v scales^T, p
+  constexpr int WB = 2 * SB + 16 * G;    // per warp: 2 stages, p
   static_assert(kivi_lane_order<BITS, G, D>(), "MMA kernel: G = 32, bits 2 or 4, D 64 or 128 (lane order)");
-  static_assert(!FOLD || kivi_same<SD, __half>::value, "FOLD: fp16 pools only (fp16 subnormal codes)");
+  constexpr bool OFF = !kivi_same<SD, __half>::value;  // codes carry an offset (bf16)
   static_assert(WB >= REP * (D + 32) * 4, "tail warp scratch fits in its region");
-  // Per warp: stages 0 and 1 (cp.async double buffer), the value scales and zeros
-  // transposed to [group][token], and p as [8 heads][32 tokens] in SD. The tail warp
-  // uses its region for q (float) and p instead. No block-wide barrier anywhere.
+  // Per warp: stages 0 and 1 (cp.async double buffer) and p as [8 heads][32 tokens] in
+  // SD. The tail warp uses its region for q (float) and p instead. No block-wide
+  // barrier anywhere.
   __shared__ __align__(16) uint8_t smem[NW * WB];
 
   KIVI_SPLIT_INDICES
@@ -74,9 +71,7 @@
 
   const int g = lane >> 2;
   const int f = lane & 3;
-  SD* vs = reinterpret_cast<SD*>(ws + 2 * SB);  // [NG][G] value scales of the block
-  SD* vz = vs + D;
-  SD* pt = vz + D;                                // [8][G] p
+  SD* pt = reinterpret_cast<SD*>(ws + 2 * SB);  // [8][G] p
 
   // q of query head g as B fragments (zero rows pad REP to 8), unscaled: the softmax
   // scale is applied to the float32 scores.
@@ -94,9 +89,11 @@
   float m2[2] = {KIVI_NEG_INF, KIVI_NEG_INF};  // query heads 2f, 2f+1
   float l2[2] = {0.0f, 0.0f};                  // this lane's tokens only
   float oacc[2 * MP][4];
-  // FOLD: sum over tokens of p * value zero; rows g and g + 8 of lane (g, f) hold
-  // channel group g % MP, heads 2f + {0, 1}.
+  // Sums over tokens of p * value zero (zv) and, with offsets, of p * value scale as
+  // rounded (tv); rows g and g + 8 of lane (g, f) hold channel group g % MP, heads
+  // 2f + {0, 1}.
   float zv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float tv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < 2 * MP; ++i)
 #pragma unroll
@@ -126,23 +123,14 @@
     const uint8_t* vc = st + KTILE;
     const SD* ks = reinterpret_cast<const SD*>(st + KTILE + VTILE);
     const SD* kz = ks + D;
-    {
-      const SD* vsg = kz + D;  // [G tokens][NG groups] as stored
-      const SD* vzg = vsg + D;
-#pragma unroll
-      for (int i = lane; i < D; i += 32) {
-        const int t = i / NG, gr = i % NG;
-        vs[gr * G + t] = vsg[i];
-        vz[gr * G + t] = vzg[i];
-      }
-    }
-    __syncwarp();
+    const SD* vs = kz + D;  // [NG][G] value scales (zeros) of the block, group-major
+    const SD* vz = vs + D;
 
     // ---- K phase: scores of tokens 4g + {0,1} (m-tile 0) and 4g + {2,3} (m-tile 1)
     // Two accumulators per m-tile (even and odd k-tiles): two independent MMA chains.
     // Every shared address below is a per-lane base plus a compile-time offset (one
     // LDS [R + imm] each; offsets kept in registers cost an IADD3 per load and registers).
-    float sc[2][4], sc2[2][4], zc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float sc[2][4], sc2[2][4], zc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, tk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -160,17 +148,13 @@
       uint32_t w01, w89;  // units of channels 4f|4f+1 and 4f+2|4f+3
       kivi_lane_operands<BITS>(kw, kt, w01, w89);
       uint32_t x01[4], x89[4];
-      uint32_t qa = qb[kt][0], qc = qb[kt][1];
-      if constexpr (FOLD) {  // codes * (q * scale) + zero . q (zc)
-        kivi_codes4<BITS>(w01, x01);
-        kivi_codes4<BITS>(w89, x89);
-        qa = kivi_hmul2(qa, s01);
-        qc = kivi_hmul2(qc, s89);
-        kivi_mma<SD>(zc, z01, z01, z89, z89, qb[kt][0], qb[kt][1]);
-      } else {
-        kivi_deq4<SD, BITS>(w01, s01, z01, x01);
-        kivi_deq4<SD, BITS>(w89, s89, z89, x89);
-      }
+      // codes * (q * scale) + zero . q (zc); the offsets' term from tk = sum of q * scale
+      kivi_codes4<SD, BITS>(w01, x01);
+      kivi_codes4<SD, BITS>(w89, x89);
+      const uint32_t qa = kivi_hmul2<SD>(qb[kt][0], s01);
+      const uint32_t qc = kivi_hmul2<SD>(qb[kt][1], s89);
+      kivi_mma<SD>(zc, z01, z01, z89, z89, qb[kt][0], qb[kt][1]);
+      if constexpr (OFF) kivi_mma<SD>(tk, KIVI_ONES_BF16, KIVI_ONES_BF16, KIVI_ONES_BF16, KIVI_ONES_BF16, qa, qc);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         kivi_mma<SD>((kt & 1) ? sc2[mt] : sc[mt], x01[2 * mt], x01[2 * mt + 1], x89[2 * mt],
@@ -188,14 +172,12 @@
     for (int e = 0; e < 2; ++e) {
       float bm = KIVI_NEG_INF;
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        if constexpr (FOLD) {  // zc[e] = zc[2 + e]: every row of its A operand is the zeros
-          sc[mt][e] = fmaf(sc[mt][e], qscale * float(1 << (24 - kivi_code_pos<BITS>(2 * mt))), zc[e] * qscale);
-          sc[mt][2 + e] = fmaf(sc[mt][2 + e], qscale * float(1 << (24 - kivi_code_pos<BITS>(2 * mt + 1))),
-                               zc[e] * qscale);
-        } else {
-          sc[mt][e] *= qscale;
-          sc[mt][2 + e] *= qscale;
+      for (int mt = 0; mt < 2; ++mt) {  // zc[e] = zc[2 + e] (every row of A is the zeros)
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+          float& s = sc[mt][2 * hi + e];
+          if constexpr (OFF) s = fmaf(-kivi_code_offset<SD, BITS>(2 * mt + hi), tk[e], s);
+          s = fmaf(s, qscale * kivi_code_unit<SD, BITS>(2 * mt + hi), zc[e] * qscale);
         }
         bm = fmaxf(bm, fmaxf(sc[mt][e], sc[mt][2 + e]));
       }
@@ -229,46 +211,44 @@
       zv[1] *= alpha[1];
       zv[2] *= alpha[0];
       zv[3] *= alpha[1];
+      if constexpr (OFF) {
+        tv[0] *= alpha[0];
+        tv[1] *= alpha[1];
+        tv[2] *= alpha[0];
+        tv[3] *= alpha[1];
+      }
     }
     __syncwarp();
 
     // ---- V phase: tokens 8f + 4kt + {0,1} (k 2f, 2f+1) and + {2,3} (k 2f+8, 2f+9) ----
     const uint4 pq = *reinterpret_cast<const uint4*>(pt + g * G + 8 * f);  // query head g
-    const SD* vsl = vs + 8 * f;
-    const SD* vzl = vz + 8 * f;
-    if constexpr (FOLD) {  // the zeros' term of every channel group at once (see zv)
-#pragma unroll
-      for (int kt = 0; kt < 2; ++kt) {
-        const uint32_t za = *reinterpret_cast<const uint32_t*>(vzl + (g % MP) * G + 4 * kt);
-        const uint32_t zb = *reinterpret_cast<const uint32_t*>(vzl + (g % MP) * G + 4 * kt + 2);
-        kivi_mma<SD>(zv, za, za, zb, zb, kt ? pq.z : pq.x, kt ? pq.w : pq.y);
-      }
+    // A lane's 8 tokens of one group: 16 adjacent bytes of the group-major scales (zeros).
+    const uint4* vsl = reinterpret_cast<const uint4*>(vs + 8 * f);
+    {  // the zeros' term of every channel group at once (see zv)
+      const uint4 z = reinterpret_cast<const uint4*>(vz + 8 * f)[(g % MP) * (G / 8)];
+      kivi_mma<SD>(zv, z.x, z.x, z.y, z.y, pq.x, pq.y);
+      kivi_mma<SD>(zv, z.z, z.z, z.w, z.w, pq.z, pq.w);
     }
     uint32_t vw[LW];  // (mp, kt): channels 32mp + 4g .. +3 of tokens 8f + 4kt .. +3
     kivi_lane_words<LW>(vc, lane, vw);
 #pragma unroll
     for (int mp = 0; mp < MP; ++mp) {
+      const uint4 sv = vsl[mp * (G / 8)];
 #pragma unroll
       for (int kt = 0; kt < 2; ++kt) {
-        const int ta = 4 * kt;  // token offset within the lane's rows 8f ..
-        const uint32_t sa = *reinterpret_cast<const uint32_t*>(vsl + mp * G + ta);
-        const uint32_t sb = *reinterpret_cast<const uint32_t*>(vsl + mp * G + ta + 2);
+        const uint32_t sa = kt ? sv.z : sv.x;  // tokens 8f + 4kt + {0, 1} and {2, 3}
+        const uint32_t sb = kt ? sv.w : sv.y;
         uint32_t xa[4], xb[4];
-        const uint32_t pb0 = kt ? pq.z : pq.x;
-        const uint32_t pb1 = kt ? pq.w : pq.y;
-        uint32_t pa = pb0, pc = pb1;
         uint32_t wa, wb;  // units of tokens ta|ta+1 and ta+2|ta+3
         kivi_lane_operands<BITS>(vw, 2 * mp + kt, wa, wb);
-        if constexpr (FOLD) {  // codes * (p * scale), the zeros' term in zv
-          kivi_codes4<BITS>(wa, xa);
-          kivi_codes4<BITS>(wb, xb);
-          pa = kivi_hmul2(pa, sa);
-          pc = kivi_hmul2(pc, sb);
-        } else {
-          const uint32_t za = *reinterpret_cast<const uint32_t*>(vzl + mp * G + ta);
-          const uint32_t zb = *reinterpret_cast<const uint32_t*>(vzl + mp * G + ta + 2);
-          kivi_deq4<SD, BITS>(wa, sa, za, xa);
-          kivi_deq4<SD, BITS>(wb, sb, zb, xb);
+        // codes * (p * scale); the zeros' term in zv, the offsets' in tv
+        kivi_codes4<SD, BITS>(wa, xa);
+        kivi_codes4<SD, BITS>(wb, xb);
+        const uint32_t pa = kivi_hmul2<SD>(kt ? pq.z : pq.x, sa);
+        const uint32_t pc = kivi_hmul2<SD>(kt ? pq.w : pq.y, sb);
+        if constexpr (OFF) {  // rows of group mp: ones (rows g, g + 8 of lane (g, f))
+          const uint32_t one = (g % MP == mp) ? KIVI_ONES_BF16 : 0u;
+          kivi_mma<SD>(tv, one, one, one, one, pa, pc);
         }
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -276,7 +256,7 @@
         }
       }
     }
-    __syncwarp();  // the next iteration's prefetch overwrites this stage, vs, vz, pt
+    __syncwarp();  // the next iteration's prefetch overwrites this stage and pt
   }
 
   // ---- (m, l, acc): oacc[2mp + i][2 * hi + e] = channel 32mp + 4g + 2i + hi, head 2f + e
@@ -287,9 +267,12 @@
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int r = 2 * f + e;
-    float zm[MP];  // FOLD: group mp's zeros' term of head r, from lane (mp, f)
+    float zm[MP], tm[MP];  // group mp's zeros' (offsets') term of head r, from lane (mp, f)
 #pragma unroll
-    for (int mp = 0; mp < MP; ++mp) zm[mp] = FOLD ? __shfl_sync(KIVI_FULL, zv[e], mp * 4 + f) : 0.0f;
+    for (int mp = 0; mp < MP; ++mp) {
+      zm[mp] = __shfl_sync(KIVI_FULL, zv[e], mp * 4 + f);
+      tm[mp] = OFF ? __shfl_sync(KIVI_FULL, tv[e], mp * 4 + f) : 0.0f;
+    }
     if (r < REP) {
       if (g == 0) {
         part_ml[(oi + r) * 2] = m2[e];
@@ -300,12 +283,16 @@
         for (int mp = 0; mp < MP; ++mp) {
           float4 o = make_float4(oacc[2 * mp][e], oacc[2 * mp][2 + e], oacc[2 * mp + 1][e],
                                  oacc[2 * mp + 1][2 + e]);  // code positions j = 0, 1, 2, 3
-          if constexpr (FOLD) {
-            o.x = fmaf(o.x, float(1 << (24 - kivi_code_pos<BITS>(0))), zm[mp]);
-            o.y = fmaf(o.y, float(1 << (24 - kivi_code_pos<BITS>(1))), zm[mp]);
-            o.z = fmaf(o.z, float(1 << (24 - kivi_code_pos<BITS>(2))), zm[mp]);
-            o.w = fmaf(o.w, float(1 << (24 - kivi_code_pos<BITS>(3))), zm[mp]);
+          if constexpr (OFF) {
+            o.x = fmaf(-kivi_code_offset<SD, BITS>(0), tm[mp], o.x);
+            o.y = fmaf(-kivi_code_offset<SD, BITS>(1), tm[mp], o.y);
+            o.z = fmaf(-kivi_code_offset<SD, BITS>(2), tm[mp], o.z);
+            o.w = fmaf(-kivi_code_offset<SD, BITS>(3), tm[mp], o.w);
           }
+          o.x = fmaf(o.x, kivi_code_unit<SD, BITS>(0), zm[mp]);
+          o.y = fmaf(o.y, kivi_code_unit<SD, BITS>(1), zm[mp]);
+          o.z = fmaf(o.z, kivi_code_unit<SD, BITS>(2), zm[mp]);
+          o.w = fmaf(o.w, kivi_code_unit<SD, BITS>(3), zm[mp]);
           *reinterpret_cast<float4*>(part_acc + (oi + r) * D + mp * 32 + 4 * g) = o;
         }
       }

@@ -3,7 +3,7 @@
 // params int32 [R + G]. One thread block per (f, h), one thread per channel d: the
 // key group of channel d and the value group d (token d / NG, channel group d % NG).
 // Outputs: k_codes [F, H_kv, D, G/P], k_scales/k_zeros [F, H_kv, D],
-//          v_codes [F, H_kv, G, D/P], v_scales/v_zeros [F, H_kv, G, D/G].
+//          v_codes [F, H_kv, G, D/P], v_scales/v_zeros [F, H_kv, D/G, G].
   const int fh = blockIdx.x;
   const int d = threadIdx.x;
   const int RG = params[0];

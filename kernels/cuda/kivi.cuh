@@ -186,7 +186,7 @@ __device__ __forceinline__ uint32_t kivi_pack_codes(const SD* x, float zf, float
 
 // One new block of one kv head, thread d of D: the key group of channel d (the G
 // rows of rk) and the value group d (token d / NG, channel group d % NG of the rows
-// of rv), written at output index fh (= new block * H_kv + kv head). Shared by both
+// of rv; its scale and zero stored group-major, at gi * G + t), written at output index fh (= new block * H_kv + kv head). Shared by both
 // flush kernels, so they quantize alike by construction.
 template <typename SD, int D, int G, int BITS>
 __device__ __forceinline__ void kivi_flush_block(const SD* rk, const SD* rv, int fh, int d,
@@ -256,8 +256,8 @@ __device__ __forceinline__ void kivi_flush_block(const SD* rk, const SD* rv, int
 #pragma unroll
       for (int w = 0; w < G / CPW; ++w) dst[w] = kivi_pack_codes<SD, BITS, CPW>(xv + w * CPW, zf, sf);
     }
-    v_scales[(size_t)fh * D + d] = scale;
-    v_zeros[(size_t)fh * D + d] = zero;
+    v_scales[(size_t)fh * D + gi * G + t] = scale;
+    v_zeros[(size_t)fh * D + gi * G + t] = zero;
   }
 }
 

@@ -1,5 +1,5 @@
 // Device helpers of the tensor-core split kernel (attend_split_mma.cu): MMA operands,
-// dequantization and folding of 4-code units, cp.async staging of lane-order tiles.
+// folding of 4-code units, cp.async staging of lane-order tiles.
 // Read after kivi.cuh as one header (kernels.cuda_source.HEADER), same grammar.
 template <typename A, typename B> struct kivi_same { static constexpr bool value = false; };
 template <typename A> struct kivi_same<A, A> { static constexpr bool value = true; };
@@ -15,8 +15,7 @@ template <> __device__ __forceinline__ uint32_t kivi_pack2f<__nv_bfloat16>(float
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// (w & MASK) | MAGIC as one LOP3 (ptxas emitted an AND and an OR for the plain C++:
-// ncu counted 2 LOP3 per dequantized pair).
+// (w & MASK) | MAGIC as one LOP3 (ptxas emitted an AND and an OR for the plain C++).
 template <uint32_t MASK, uint32_t MAGIC>
 __device__ __forceinline__ uint32_t kivi_and_or(uint32_t w) {
   uint32_t r;
@@ -24,93 +23,77 @@ __device__ __forceinline__ uint32_t kivi_and_or(uint32_t w) {
   return r;
 }
 
-// The code at bit O (BITS wide) of each 16-bit half of w, dequantized as
-// (code * scale + zero) in SD with one rounding (packed FMA; s2 / z2 hold the two
-// halves' scale and zero). The code becomes an exact SD number by or-ing it into the
-// mantissa of the power of two 2^E whose ulp is 2^-O (E = 10 - O in fp16, 7 - O in
-// bf16), so that bit O weighs 1, and subtracting 2^E: no shift as long as the code
-// stays inside the mantissa (O + BITS <= 10 / 7).
-template <typename SD, int BITS, int O>
-__device__ __forceinline__ uint32_t kivi_deq_at(uint32_t w, uint32_t s2, uint32_t z2) {
-  constexpr bool F16 = kivi_same<SD, __half>::value;
-  constexpr int E = (F16 ? 10 : 7) - O;
-  static_assert(E >= 0 && O + BITS <= (F16 ? 10 : 7), "code outside the mantissa");
-  constexpr uint32_t M = ((1u << BITS) - 1u) << O;
-  constexpr uint32_t H = F16 ? uint32_t(15 + E) << 10 : uint32_t(127 + E) << 7;  // 2^E
-  constexpr uint32_t magic = H * 0x00010001u;  // 2^E in both halves
-  uint32_t t = kivi_and_or<M * 0x00010001u, magic>(w);
-  if constexpr (F16) {
-    __half2 x = __hsub2(*reinterpret_cast<__half2*>(&t), *reinterpret_cast<const __half2*>(&magic));
-    x = __hfma2(x, *reinterpret_cast<const __half2*>(&s2), *reinterpret_cast<const __half2*>(&z2));
-    return *reinterpret_cast<uint32_t*>(&x);
-  } else {
-    __nv_bfloat162 x = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&t),
-                               *reinterpret_cast<const __nv_bfloat162*>(&magic));
-    x = __hfma2(x, *reinterpret_cast<const __nv_bfloat162*>(&s2),
-                *reinterpret_cast<const __nv_bfloat162*>(&z2));
-    return *reinterpret_cast<uint32_t*>(&x);
-  }
+// The scale moves onto the other MMA operand and the zero into a separate MMA, so no
+// code is dequantized: code j of each 16-bit half of a unit word w becomes the exact SD
+// number x_j = OFF_j + code * 2^-U_j (kivi_codes4), one LOP3 (and a shift where noted)
+// per pair of codes, and the caller turns an MMA sum S_j over x_j * b into the sum over
+// code * b as (S_j - OFF_j * sum(b)) * 2^U_j (kivi_code_offset, kivi_code_unit).
+//   fp16: the code stays at its bit position P_j with a zero exponent field, the
+//     subnormal code * 2^(P_j - 24): OFF 0, U_j = 24 - P_j. No shift at 2 bits, one per
+//     word at 4 bits.
+//   bf16: a subnormal (2^-133) would underflow float32 products, and a code must sit in
+//     the 7-bit mantissa, so it goes to bit P_j <= 7 - BITS of 2^(7 - P_j):
+//     x_j = 2^(7 - P_j) + code, OFF_j = 2^(7 - P_j), U_j = 0. Shifts bring codes 3
+//     (2 bits) and 1, 2, 3 (4 bits) into range; the caller's sum(b) is one more MMA
+//     with a matrix of ones.
+template <typename SD, int BITS> __device__ __forceinline__ constexpr int kivi_code_pos(int j) {
+  if constexpr (kivi_same<SD, __half>::value) return BITS == 2 ? 2 * j : 4 * (j & 1);
+  else return BITS == 2 ? (j == 3 ? 4 : 2 * j) : 3 * (j & 1);
 }
+template <typename SD, int BITS> __device__ __forceinline__ constexpr float kivi_code_unit(int j) {
+  return kivi_same<SD, __half>::value ? float(1 << (24 - kivi_code_pos<SD, BITS>(j))) : 1.0f;
+}
+template <typename SD, int BITS> __device__ __forceinline__ constexpr float kivi_code_offset(int j) {
+  return kivi_same<SD, __half>::value ? 0.0f : float(1 << (7 - kivi_code_pos<SD, BITS>(j)));
+}
+// 1.0 in both halves (the matrix of ones for sum(b); bf16 only).
+constexpr uint32_t KIVI_ONES_BF16 = 0x3F803F80u;
 
-// Codes j = 0..3 of each 16-bit half of w (4 * BITS bits per half, code j at bit
-// j * BITS), dequantized as pairs x[j]. Shifts only where a code would leave the
-// mantissa: fp16 4-bit one shift per word, fp16 2-bit none, bf16 4-bit three, bf16
-// 2-bit one (the per-code shift + and + or was 2-3 instructions per pair).
 template <typename SD, int BITS>
-__device__ __forceinline__ void kivi_deq4(uint32_t w, uint32_t s2, uint32_t z2, uint32_t (&x)[4]) {
-  constexpr bool F16 = kivi_same<SD, __half>::value;
-  if constexpr (BITS == 2 && F16) {
-    x[0] = kivi_deq_at<SD, 2, 0>(w, s2, z2);
-    x[1] = kivi_deq_at<SD, 2, 2>(w, s2, z2);
-    x[2] = kivi_deq_at<SD, 2, 4>(w, s2, z2);
-    x[3] = kivi_deq_at<SD, 2, 6>(w, s2, z2);
-  } else if constexpr (BITS == 2) {
-    x[0] = kivi_deq_at<SD, 2, 0>(w, s2, z2);
-    x[1] = kivi_deq_at<SD, 2, 2>(w, s2, z2);
-    x[2] = kivi_deq_at<SD, 2, 4>(w, s2, z2);
-    x[3] = kivi_deq_at<SD, 2, 2>(w >> 4, s2, z2);
-  } else if constexpr (F16) {
-    const uint32_t w8 = w >> 8;
-    x[0] = kivi_deq_at<SD, 4, 0>(w, s2, z2);
-    x[1] = kivi_deq_at<SD, 4, 4>(w, s2, z2);
-    x[2] = kivi_deq_at<SD, 4, 0>(w8, s2, z2);
-    x[3] = kivi_deq_at<SD, 4, 4>(w8, s2, z2);
-  } else {
-    x[0] = kivi_deq_at<SD, 4, 0>(w, s2, z2);
-    x[1] = kivi_deq_at<SD, 4, 0>(w >> 4, s2, z2);
-    x[2] = kivi_deq_at<SD, 4, 0>(w >> 8, s2, z2);
-    x[3] = kivi_deq_at<SD, 4, 0>(w >> 12, s2, z2);
-  }
-}
-
-// FOLD (fp16 pools): the scale moves onto the other MMA operand and the zero into a
-// separate MMA, so a code pair costs one AND. Code j of each 16-bit half of w stays at
-// its bit position O_j (kivi_code_pos) with a zero exponent field: the fp16 subnormal
-// code * 2^(O_j - 24), exact; the caller multiplies the sums by 2^(24 - O_j).
-template <int BITS> __device__ __forceinline__ constexpr int kivi_code_pos(int j) {
-  return BITS == 2 ? 2 * j : 4 * (j & 1);
-}
-template <int BITS>
 __device__ __forceinline__ void kivi_codes4(uint32_t w, uint32_t (&x)[4]) {
   constexpr uint32_t M = ((1u << BITS) - 1u) * 0x00010001u;
-  if constexpr (BITS == 2) {
-    x[0] = w & M;
-    x[1] = w & (M << 2);
-    x[2] = w & (M << 4);
-    x[3] = w & (M << 6);
+  if constexpr (kivi_same<SD, __half>::value) {
+    if constexpr (BITS == 2) {
+      x[0] = w & M;
+      x[1] = w & (M << 2);
+      x[2] = w & (M << 4);
+      x[3] = w & (M << 6);
+    } else {
+      const uint32_t w8 = w >> 8;
+      x[0] = w & M;
+      x[1] = w & (M << 4);
+      x[2] = w8 & M;
+      x[3] = w8 & (M << 4);
+    }
   } else {
-    const uint32_t w8 = w >> 8;
-    x[0] = w & M;
-    x[1] = w & (M << 4);
-    x[2] = w8 & M;
-    x[3] = w8 & (M << 4);
+    // 2^(7 - P) in both halves: the exponent field 127 + 7 - P, an empty mantissa.
+    constexpr uint32_t H0 = (134u - kivi_code_pos<SD, BITS>(0)) << 7, H1 = (134u - kivi_code_pos<SD, BITS>(1)) << 7;
+    constexpr uint32_t H2 = (134u - kivi_code_pos<SD, BITS>(2)) << 7, H3 = (134u - kivi_code_pos<SD, BITS>(3)) << 7;
+    if constexpr (BITS == 2) {  // codes at bits 0, 2, 4, 6: code 3 moves to bit 4
+      x[0] = kivi_and_or<M, H0 * 0x00010001u>(w);
+      x[1] = kivi_and_or<M << 2, H1 * 0x00010001u>(w);
+      x[2] = kivi_and_or<M << 4, H2 * 0x00010001u>(w);
+      x[3] = kivi_and_or<M << 4, H3 * 0x00010001u>(w >> 2);
+    } else {  // codes at bits 0, 4, 8, 12: to 0, 3, 0, 3
+      x[0] = kivi_and_or<M, H0 * 0x00010001u>(w);
+      x[1] = kivi_and_or<M << 3, H1 * 0x00010001u>(w >> 1);
+      x[2] = kivi_and_or<M, H2 * 0x00010001u>(w >> 8);
+      x[3] = kivi_and_or<M << 3, H3 * 0x00010001u>(w >> 9);
+    }
   }
 }
 
-// Two fp16 products, rounded once each (the folded operand: q * scale, p * scale).
+// Two SD products, rounded once each (the folded operand: q * scale, p * scale).
+template <typename SD>
 __device__ __forceinline__ uint32_t kivi_hmul2(uint32_t a, uint32_t b) {
-  __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
-  return *reinterpret_cast<uint32_t*>(&r);
+  if constexpr (kivi_same<SD, __half>::value) {
+    __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+    return *reinterpret_cast<uint32_t*>(&r);
+  } else {
+    __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                               *reinterpret_cast<const __nv_bfloat162*>(&b));
+    return *reinterpret_cast<uint32_t*>(&r);
+  }
 }
 
 // Asynchronous 16-byte global -> shared copies (sm_80+), grouped per staged block.

@@ -3,7 +3,6 @@
   constexpr int P = 8 / BITS;
   constexpr int KROW = G / P;
   constexpr int VROW = D / P;
-  constexpr int NG = D / G;
   constexpr int LPB = G / 8;
   constexpr int SB = 32 / LPB;
   constexpr int STEP = SB * G;
@@ -116,8 +115,8 @@
         const int vb = simd_shuffle(pb, ushort(jj * LPB));
         const size_t tile = size_t(vb) * H_kv + h;
         const device uint8_t* vc = v_codes + tile * (G * VROW) + cc * BITS;
-        const device SD* vsp = v_scales + tile * (G * NG) + (cc * 8) / G;
-        const device SD* vzp = v_zeros + tile * (G * NG) + (cc * 8) / G;
+        const device SD* vsp = v_scales + tile * D + (cc * 8) / G * G;  // [NG][G]
+        const device SD* vzp = v_zeros + tile * D + (cc * 8) / G * G;
         const threadgroup float* pp = pw + jj * G;
         for (int t0 = to; t0 < G; t0 += VU * TPI) {
           uint lo[VU], hi[VU];
@@ -130,8 +129,8 @@
             } else {
               kivi_load8<BITS>(vc + t * VROW, lo[i], hi[i]);
             }
-            vs[i] = kivi_f(vsp[t * NG]);
-            vz[i] = kivi_f(vzp[t * NG]);
+            vs[i] = kivi_f(vsp[t]);
+            vz[i] = kivi_f(vzp[t]);
           }
           for (int i = 0; i < VU; ++i) {
             const int t = t0 + i * TPI;

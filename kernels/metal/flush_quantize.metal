@@ -68,6 +68,6 @@
         dst[w] = word;
       }
     }
-    v_scales[size_t(fh) * D + d] = scale;
-    v_zeros[size_t(fh) * D + d] = zero;
+    v_scales[size_t(fh) * D + gi * G + t] = scale;  // group-major: [D / G][G]
+    v_zeros[size_t(fh) * D + gi * G + t] = zero;
   }
