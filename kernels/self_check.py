@@ -14,7 +14,7 @@ What is checked is what the engine runs (`kernels.dispatch` with `use_kernel=Non
   the token otherwise. The output is compared with `kivi_reference.decode_attention`
   within the tolerance tests/test_kernels_gpu.py states: 1 output ulp relative +
   1e-4 of the row's largest |value| + 6 u max|v| (u: the unit roundoff of the pool
-  dtype; the loosest stated contract, the FOLD path's rounding of p and p * scale).
+  dtype; the loosest stated contract, the MMA kernel's rounding of p and p * scale).
   The case is built so that the kernels' other deliberate roundings are exact
   (power-of-two scales, zeros on a 1/8 grid, q in the pool dtype: K_hat, V_hat,
   q * scale and p * scale are representable), which is what lets the plain
