@@ -6,6 +6,9 @@ the PTX; they run where nvcc is installed (no GPU needed) and are skipped elsewh
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import os
 import re
 import shutil
 
@@ -20,6 +23,22 @@ SOURCES = {"split_mma": read("cuda/attend_split_mma.cu"), "split": read("cuda/at
            "merge": read("cuda/attend_merge.cu"), "flush": read("cuda/flush_quantize.cu"),
            "flush_fused": read("cuda/flush_fused.cu"), "qk_rope": read("cuda/qk_rope.cu")}
 NAME = re.compile(r"\b(?:kivi|KIVI)_\w+")
+
+
+@functools.lru_cache(maxsize=None)
+def _block_loops() -> dict:
+    """Opcode counts of the MMA kernel's block loop at D = 128, REP = 4, per (pool dtype,
+    bits): compiled once for all the tests that read them, in parallel (nvcc and
+    cuobjdump are subprocesses, ~2.5 s each)."""
+    keys = [(dtype, bits) for dtype in (mx.float16, mx.bfloat16) for bits in (2, 4)]
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as ex:
+        jobs = {k: ex.submit(compile_and_count, split_mma_unit(k[0], k[1], 128, 4), find_cuobjdump(), None)
+                for k in keys}
+        return {k: job.result()[1] for k, job in jobs.items()}
+
+
+def block_loop(dtype: mx.Dtype, bits: int):
+    return _block_loops()[dtype, bits]
 
 
 def test_compact_drops_comments_and_indentation_but_keeps_line_breaks():
@@ -96,13 +115,19 @@ def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
         ("qk_rope", [("qkv", bf), ("q_weight", bf), ("k_weight", bf), ("offsets", i32), ("params", f32)],
          [("q", bf), ("k", bf), ("v", bf)], [("T", bf), ("D", 128), ("HQ", 32), ("HKV", 8), ("NORM", 1)]),
     ]
-    for kernel, inputs, outputs, template in cases:
+
+    def ptx(i: int, pruned: bool) -> list[str]:
+        kernel, inputs, outputs, template = cases[i]
         source = SOURCES[kernel]
-        full = ptx_code(translation_unit(kernel, HEADER, source, inputs, outputs, template), str(tmp_path),
-                        kernel + "_full")
-        small = ptx_code(translation_unit(kernel, kernel_header(HEADER, source), compact(source), inputs, outputs,
-                                          template), str(tmp_path), kernel + "_small")
-        assert full == small, kernel
+        header, text = (kernel_header(HEADER, source), compact(source)) if pruned else (HEADER, source)
+        return ptx_code(translation_unit(kernel, header, text, inputs, outputs, template), str(tmp_path),
+                        f"{kernel}_{i}_{'small' if pruned else 'full'}")
+
+    # Fourteen independent nvcc runs: in parallel (nvcc is a subprocess).
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as pool_:
+        jobs = {(i, pruned): pool_.submit(ptx, i, pruned) for i in range(len(cases)) for pruned in (False, True)}
+        for i, (kernel, *_rest) in enumerate(cases):
+            assert jobs[i, False].result() == jobs[i, True].result(), kernel
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or find_cuobjdump() is None,
@@ -112,10 +137,8 @@ def test_the_block_loop_never_dequantizes():
     no HSUB2 / HFMA2 (counted as HADD2 / HFMA2; dequantizing took 128 of each per
     D = 128 tile), the scales on the other operand (32 HMUL2); bf16's code offsets cost
     exactly two MMAs per k-tile pair more (tk and tv: 16), nothing else."""
-    cuobjdump = find_cuobjdump()
     for bits in (2, 4):
-        loops = {dtype: compile_and_count(split_mma_unit(dtype, bits, 128, 4), cuobjdump, None)[1]
-                 for dtype in (mx.float16, mx.bfloat16)}
+        loops = {dtype: block_loop(dtype, bits) for dtype in (mx.float16, mx.bfloat16)}
         for dtype, loop in loops.items():
             assert loop["HFMA2"] == 0 and loop["HADD2"] == 0 and loop["HMUL2"] == 32, (bits, dtype)
         assert loops[mx.bfloat16]["HMMA"] == loops[mx.float16]["HMMA"] + 16, bits
@@ -129,8 +152,7 @@ def test_lane_order_loads_a_lanes_codes_as_words():
     four key scales (zeros) as one 8-byte word, and joins nothing: the plain layout cost
     one 1- or 2-byte load per channel and code pair (113 shared loads per block at D =
     128) and 32 PRMTs joining them."""
-    cuobjdump = find_cuobjdump()
     for bits in (2, 4):
         for dtype in (mx.float16, mx.bfloat16):
-            _, loop = compile_and_count(split_mma_unit(dtype, bits, 128, 4), cuobjdump, None)
+            loop = block_loop(dtype, bits)
             assert loop["LDS"] <= 48 and loop["PRMT"] == 0, (bits, dtype, loop["LDS"], loop["PRMT"])
