@@ -115,6 +115,9 @@ def main() -> None:
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--max-batch-tokens", type=int, nargs="*", default=[None],
                    help="engine budgets to run (default: the worker's default)")
+    p.add_argument("--prefill-while-decoding", type=int, default=None, dest="prefill_while_decoding",
+                   help="cap a step's prompt tokens while sequences decode (the worker's "
+                        "--prefill-while-decoding; default: no cap)")
     p.add_argument("--warm-up", action="store_true", dest="warm_up",
                    help="run the worker's warm-up (engine.warmup) before the first run, and time it")
     p.add_argument("--ceiling", action="store_true", help="also time the bare model over the same prompts")
@@ -128,7 +131,8 @@ def main() -> None:
     rows, events = [], []
     for budget in args.max_batch_tokens:
         options = {} if budget is None else {"max_batch_tokens": budget}
-        engine = build_engine(model, IdTokenizer(), kv_bits=args.bits, max_sequences=args.requests, **options)
+        engine = build_engine(model, IdTokenizer(), kv_bits=args.bits, max_sequences=args.requests,
+                              prefill_while_decoding=args.prefill_while_decoding, **options)
         budget = engine.scheduler.max_batch_tokens
         if args.warm_up:
             from kiviq.engine.warmup import warm_up

@@ -48,6 +48,8 @@ class Engine:
         tokenizer: its TokenizerWrapper.
         store: the KV store (its slots bound the sequences held at once).
         max_batch_tokens: tokens per step, decode plus prefill chunks.
+        prefill_while_decoding: prompt tokens per step at most while sequences
+            decode (engine.scheduler.Scheduler); None: no cap.
         reserve_tokens: generation room required to admit a request.
         pipeline: overlap steady decode steps (see below).
         compile_decode: replay decode steps through mx.compile
@@ -59,7 +61,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, tokenizer: Any, store: KiviStore, *,
                  max_batch_tokens: int = 1024, reserve_tokens: int = 64, pipeline: bool = False,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, prefill_while_decoding: int | None = None):
         self.model = model
         self.config = None  # the EngineConfig it was built from, if build_engine built it
         # Optional: steady decoding overlaps host and device (step n+1's graph is
@@ -70,7 +72,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.kv_store = store
         self.runner = ModelRunner(model, store, compile_decode=compile_decode)
-        self.scheduler = Scheduler(store.blocks, max_batch_tokens, reserve_tokens)
+        self.scheduler = Scheduler(store.blocks, max_batch_tokens, reserve_tokens, prefill_while_decoding)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.stats = {"decode_tokens": 0, "prefill_tokens": 0, "preemptions": 0, "steps": 0,

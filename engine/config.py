@@ -84,6 +84,10 @@ class EngineConfig:
         max_sequences: sequences the store holds at once.
         max_batch_tokens: tokens fed to the model per step (decode + prefill);
             None: chosen for the device (``engine.setup.default_batch_tokens``).
+        prefill_while_decoding: prompt tokens a step prefills at most while
+            sequences decode, so that a burst of long prompts delays running
+            sequences by at most that many tokens per step; None: no cap (a step
+            may prefill all max_batch_tokens leaves).
         compile_decode: replay decode steps through mx.compile; None: where MLX
             computes on a GPU (on a CPU the traces cost more than they save).
         pipeline: build decode step n+1 while step n runs (events one step later).
@@ -101,6 +105,7 @@ class EngineConfig:
     kv_memory: int | None = None
     max_sequences: int = 32
     max_batch_tokens: int | None = None
+    prefill_while_decoding: int | None = None
     compile_decode: bool | None = None
     pipeline: bool = True
     flat_qmm: bool = True
@@ -126,6 +131,8 @@ class EngineConfig:
             raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
         if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
+        if self.prefill_while_decoding is not None and self.prefill_while_decoding < 1:
+            raise ValueError(f"prefill_while_decoding must be >= 1, got {self.prefill_while_decoding}")
         if self.use_kernel not in (None, False):
             raise ValueError(f"use_kernel must be None (kernels where they run) or False, got {self.use_kernel!r}")
         if self.kv_bits != 16:

@@ -3,7 +3,9 @@
 Pure Python: it sees sequences and an allocator's counts, never tensors.
 Each step every running sequence decodes one token; the rest of the step's
 token budget goes to prefill chunks, first for sequences already
-prefilling, then for newly admitted ones. A sequence is admitted only when
+prefilling, then for newly admitted ones. While sequences decode, the prefill
+share of a step can be capped (``prefill_while_decoding``): a step that
+prefills N tokens makes every running sequence wait for those N tokens. A sequence is admitted only when
 the store can hold its whole context plus a reserve; when running
 sequences outgrow the store, the newest is preempted (its blocks freed, its
 tokens recomputed later) rather than anything failing or overcommitting.
@@ -46,12 +48,17 @@ class Scheduler:
         allocator: the KV store's block manager (engine.block_manager.BlockManager).
         max_batch_tokens: tokens fed to the model per step (decode + prefill).
         reserve_tokens: room for generation required at admission.
+        prefill_while_decoding: prompt tokens a step prefills at most while
+            sequences decode (their inter-token latency during a burst of long
+            prompts); None: what max_batch_tokens leaves.
     """
 
-    def __init__(self, allocator: Allocator, max_batch_tokens: int = 1024, reserve_tokens: int = 64):
+    def __init__(self, allocator: Allocator, max_batch_tokens: int = 1024, reserve_tokens: int = 64,
+                 prefill_while_decoding: int | None = None):
         self.allocator = allocator
         self.max_batch_tokens = max_batch_tokens
         self.reserve_tokens = reserve_tokens
+        self.prefill_while_decoding = prefill_while_decoding
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -97,6 +104,8 @@ class Scheduler:
             self._preempt(victim, plan)
         plan.decode = list(self.running)
         budget = self.max_batch_tokens - len(plan.decode)
+        if plan.decode and self.prefill_while_decoding is not None:
+            budget = min(budget, self.prefill_while_decoding)
         free_blocks = a.free_blocks - self._growth(plan.decode) - self._pending_prefill_blocks()
         free_slots = a.free_slots
         # Admit in arrival order while the context plus a reserve fits; a

@@ -129,6 +129,7 @@ def build_engine(model: Any, tokenizer: Any, config: EngineConfig | None = None,
     if compile_decode:
         store.table_width_multiple = COMPILED_TABLE_COLUMNS
     engine = Engine(model, tokenizer, store, max_batch_tokens=config.max_batch_tokens,
-                    compile_decode=compile_decode, pipeline=config.pipeline)
+                    compile_decode=compile_decode, pipeline=config.pipeline,
+                    prefill_while_decoding=config.prefill_while_decoding)
     engine.config = config
     return engine

@@ -20,11 +20,11 @@ TEXT = ("The old lighthouse keeper climbed the spiral stairs every evening, coun
 
 
 def make_engine(model, tok, *, blocks=256, slots=16, reserve_tokens=64, max_batch_tokens=256,
-                pipeline=True, config=KV, compile_decode=False) -> Engine:
+                pipeline=True, config=KV, compile_decode=False, prefill_while_decoding=None) -> Engine:
     layers, h_kv, d = attention_shape(model)
     store = KiviStore(layers, h_kv, d, config=config, num_blocks=blocks, num_slots=slots, dtype=model_dtype(model))
     return Engine(model, tok, store, max_batch_tokens=max_batch_tokens, reserve_tokens=reserve_tokens,
-                  pipeline=pipeline, compile_decode=compile_decode)
+                  pipeline=pipeline, compile_decode=compile_decode, prefill_while_decoding=prefill_while_decoding)
 
 
 def prompts(tok, n):
@@ -385,6 +385,28 @@ def test_prefill_token_count_includes_every_chunk(smollm2):
     run(engine, [Request(f"r{i}", p, max_tokens=2) for i, p in enumerate(ps)])
     assert engine.stats["preemptions"] == 0
     assert engine.stats["prefill_tokens"] == sum(map(len, ps))
+
+
+def test_a_prompt_arriving_mid_generation_prefills_in_capped_steps(smollm2):
+    """prefill_while_decoding: while a sequence generates, each step feeds at most that
+    many prompt tokens of a newcomer, so the running sequence gets a token every step
+    and never waits for the whole prompt; both finish."""
+    model, tok = smollm2
+    short, long = tok.encode("Count to ten:"), tok.encode(TEXT * 3)
+    engine = make_engine(model, tok, max_batch_tokens=256, prefill_while_decoding=16)
+    engine.add(Request("running", short, max_tokens=40))
+    engine.step()  # its prefill (nobody decodes yet: no cap)
+    engine.add(Request("newcomer", long, max_tokens=2))
+    fed, counted, decoded = [], engine.stats["prefill_tokens"], engine.stats["decode_tokens"]
+    while engine.stats["prefill_tokens"] < len(short) + len(long):
+        engine.step()
+        fed.append(engine.stats["prefill_tokens"] - counted)
+        counted = engine.stats["prefill_tokens"]
+    assert len(long) > 16 * 3 and max(fed) == 16 and len(fed) == -(-len(long) // 16)
+    # The running sequence got its tokens meanwhile (events trail by a pipelined step).
+    assert engine.stats["decode_tokens"] - decoded >= len(fed) - 1
+    while engine.has_work():
+        engine.step()
 
 
 def test_wider_block_tables_change_no_token(smollm2):

@@ -19,7 +19,8 @@ from kiviq.worker.blas import reexec_with_openblas
 # EngineConfig fields -> the flags that set them, so a config error names the flag
 CONFIG_FLAGS = {"kv_bits": "--kv-bits", "kv_rotate": "--kv-bits", "kv_group_size": "--kv-group-size", "kv_residual": "--kv-residual",
                 "kv_flush_blocks": "--kv-flush-blocks", "kv_memory": "--kv-memory",
-                "max_sequences": "--max-active", "max_batch_tokens": "--max-batch-tokens"}
+                "max_sequences": "--max-active", "max_batch_tokens": "--max-batch-tokens",
+                "prefill_while_decoding": "--prefill-while-decoding"}
 
 
 class UsageError(SystemExit):
@@ -72,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-batch-tokens", type=int, default=None,
                    help="most tokens fed to the model per engine step (decode + prefill chunks; "
                         "default: for the device, e.g. 16384 for a 4B model on an H200, 1024 on a CPU)")
+    w.add_argument("--prefill-while-decoding", type=int, default=None, metavar="N",
+                   help="prompt tokens an engine step prefills at most while sequences are generating: "
+                        "running sequences then wait for at most N prompt tokens per token during a burst of "
+                        "long prompts, and the burst prefills in more, smaller steps (default: no cap)")
     w.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
                    help="before taking jobs, run a short synthetic workload so that the first jobs pay no "
                         "kernel compiles (default: on where MLX runs on a GPU; the log says how long it took)")
@@ -106,7 +111,8 @@ def engine_config(args: argparse.Namespace, environ=os.environ):
         return EngineConfig(
             kv_bits=kv_bits, kv_rotate=kv_rotate, kv_group_size=args.kv_group_size, kv_residual=args.kv_residual,
             kv_flush_blocks=args.kv_flush_blocks, kv_memory=args.kv_memory, max_sequences=args.max_active,
-            max_batch_tokens=args.max_batch_tokens, compile_decode=args.compile_decode,
+            max_batch_tokens=args.max_batch_tokens, prefill_while_decoding=args.prefill_while_decoding,
+            compile_decode=args.compile_decode,
             pipeline=args.pipeline_decode,
             use_kernel=False if kernels == "reference" else None)
     except ValueError as e:

@@ -88,7 +88,9 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
              f"KIVI {c.kv_bits}-bit{rotated}, G={c.kv_group_size}, R={c.kv_residual}, {c.kv_flush_blocks} block(s) per flush, "
              + ("reference attention" if c.use_kernel is False else "kernels where they run")
              + (", decode steps compiled" if compiled else "") + (", decode steps pipelined" if c.pipeline else "")
-             + (f", {c.max_batch_tokens} tokens per step" if c.max_batch_tokens else ""))
+             + (f", {c.max_batch_tokens} tokens per step" if c.max_batch_tokens else "")
+             + (f" ({c.prefill_while_decoding} prompt tokens at most while generating)"
+                if c.prefill_while_decoding else ""))
     if warm_up is None:
         import mlx.core as mx
 
