@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kiviq.kernels import cuda_attend, dispatch  # noqa: E402
+from kiviq.kernels import cuda_attend, dispatch, launch  # noqa: E402
 from kiviq.kernels.kivi_quant import dequantize_key_blocks, dequantize_value_blocks  # noqa: E402
 from kiviq.kernels.kivi_reference import decode_attention  # noqa: E402
 from kiviq.kernels.layout import KiviPool  # noqa: E402
@@ -285,6 +285,9 @@ def main():
     ap.add_argument("--seqs", type=int, nargs="*", default=[1024, 4096, 16384, 32768])
     ap.add_argument("--bits", type=int, nargs="*", default=[4, 2])
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--units-per-sm", type=int, default=None, dest="units_per_sm",
+                    help="a split-plan arm: warps per SM the plan aims for (kernels.launch.UNITS_PER_SM, "
+                         f"default {launch.UNITS_PER_SM}); outputs are checked as always")
     ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16",
                     help="the pool's and q's dtype (the engine's pools take the model's)")
     ap.add_argument("--max-fp16-gb", type=float, default=60.0)
@@ -299,11 +302,13 @@ def main():
     a = ap.parse_args()
     if not dispatch.kernel_available():
         sys.exit("no KIVI kernel backend here (needs MLX CUDA or Metal)")
+    dtype = {"fp16": mx.float16, "bf16": mx.bfloat16}[a.dtype]
+    if a.units_per_sm is not None:
+        launch.UNITS_PER_SM = a.units_per_sm
     print(f"mlx {mx.__version__}, device {mx.device_info().get('device_name', '?')}, "
           f"backend {dispatch.backend()}, TF32 env {os.environ.get('MLX_ENABLE_TF32')}, "
-          f"pools {a.dtype}",
+          f"pools {a.dtype}, split plan for {launch.UNITS_PER_SM} warps per SM",
           flush=True)
-    dtype = {"fp16": mx.float16, "bf16": mx.bfloat16}[a.dtype]
     copy_bw, copy_t = copy_bandwidth(a.repeats)
     print(f"device copy: {copy_bw / 1e12:.2f} TB/s (per-call ms {fmt_ms(copy_t)})", flush=True)
     # The reference points first, then the grid.
