@@ -5,10 +5,11 @@ Each step every running sequence decodes one token; the rest of the step's
 token budget goes to prefill chunks, first for sequences already
 prefilling, then for newly admitted ones. While sequences decode, the prefill
 share of a step can be capped (``prefill_while_decoding``): a step that
-prefills N tokens makes every running sequence wait for those N tokens. A sequence is admitted only when
-the store can hold its whole context plus a reserve; when running
-sequences outgrow the store, the newest is preempted (its blocks freed, its
-tokens recomputed later) rather than anything failing or overcommitting.
+prefills N tokens makes every running sequence wait for those N tokens. A
+sequence is admitted only when the store can hold its whole context plus a
+reserve; when running sequences outgrow the store, the newest is preempted
+(its blocks freed, its tokens recomputed later) rather than anything failing
+or overcommitting.
 """
 
 from __future__ import annotations
