@@ -174,11 +174,8 @@
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {  // zc[e] = zc[2 + e] (every row of A is the zeros)
 #pragma unroll
-        for (int hi = 0; hi < 2; ++hi) {
-          float& s = sc[mt][2 * hi + e];
-          if constexpr (OFF) s = fmaf(-kivi_code_offset<SD, BITS>(2 * mt + hi), tk[e], s);
-          s = fmaf(s, qscale * kivi_code_unit<SD, BITS>(2 * mt + hi), zc[e] * qscale);
-        }
+        for (int hi = 0; hi < 2; ++hi)
+          sc[mt][2 * hi + e] = kivi_unfold<SD, BITS>(2 * mt + hi, sc[mt][2 * hi + e], tk[e], qscale, zc[e] * qscale);
         bm = fmaxf(bm, fmaxf(sc[mt][e], sc[mt][2 + e]));
       }
 #pragma unroll
@@ -281,18 +278,11 @@
       if (blk1 > blk0) {  // an empty split writes no acc; the merge never reads it
 #pragma unroll
         for (int mp = 0; mp < MP; ++mp) {
-          float4 o = make_float4(oacc[2 * mp][e], oacc[2 * mp][2 + e], oacc[2 * mp + 1][e],
-                                 oacc[2 * mp + 1][2 + e]);  // code positions j = 0, 1, 2, 3
-          if constexpr (OFF) {
-            o.x = fmaf(-kivi_code_offset<SD, BITS>(0), tm[mp], o.x);
-            o.y = fmaf(-kivi_code_offset<SD, BITS>(1), tm[mp], o.y);
-            o.z = fmaf(-kivi_code_offset<SD, BITS>(2), tm[mp], o.z);
-            o.w = fmaf(-kivi_code_offset<SD, BITS>(3), tm[mp], o.w);
-          }
-          o.x = fmaf(o.x, kivi_code_unit<SD, BITS>(0), zm[mp]);
-          o.y = fmaf(o.y, kivi_code_unit<SD, BITS>(1), zm[mp]);
-          o.z = fmaf(o.z, kivi_code_unit<SD, BITS>(2), zm[mp]);
-          o.w = fmaf(o.w, kivi_code_unit<SD, BITS>(3), zm[mp]);
+          // code positions j = 0, 1, 2, 3
+          const float4 o = make_float4(kivi_unfold<SD, BITS>(0, oacc[2 * mp][e], tm[mp], 1.0f, zm[mp]),
+                                       kivi_unfold<SD, BITS>(1, oacc[2 * mp][2 + e], tm[mp], 1.0f, zm[mp]),
+                                       kivi_unfold<SD, BITS>(2, oacc[2 * mp + 1][e], tm[mp], 1.0f, zm[mp]),
+                                       kivi_unfold<SD, BITS>(3, oacc[2 * mp + 1][2 + e], tm[mp], 1.0f, zm[mp]));
           *reinterpret_cast<float4*>(part_acc + (oi + r) * D + mp * 32 + 4 * g) = o;
         }
       }

@@ -49,6 +49,21 @@ template <typename SD, int BITS> __device__ __forceinline__ constexpr float kivi
 // 1.0 in both halves (the matrix of ones for sum(b); bf16 only).
 constexpr uint32_t KIVI_ONES_BF16 = 0x3F803F80u;
 
+// The caller's side of the fold for code position j: (s - OFF_j * sum_b) * 2^U_j * scale
+// + add, where s is an MMA sum over x_j * b and sum_b the same MMA's sum over b (bf16;
+// unused for fp16, whose codes carry no offset).
+template <typename SD, int BITS>
+__device__ __forceinline__ float kivi_unfold(int j, float s, float sum_b, float scale, float add) {
+  if constexpr (!kivi_same<SD, __half>::value) s = fmaf(-kivi_code_offset<SD, BITS>(j), sum_b, s);
+  return fmaf(s, scale * kivi_code_unit<SD, BITS>(j), add);
+}
+
+// 2^(7 - P_j) as bf16 in both halves (the exponent field 127 + 7 - P_j, an empty
+// mantissa): the base kivi_codes4 ors code j into.
+template <typename SD, int BITS> __device__ __forceinline__ constexpr uint32_t kivi_bf16_base(int j) {
+  return ((134u - kivi_code_pos<SD, BITS>(j)) << 7) * 0x00010001u;
+}
+
 template <typename SD, int BITS>
 __device__ __forceinline__ void kivi_codes4(uint32_t w, uint32_t (&x)[4]) {
   constexpr uint32_t M = ((1u << BITS) - 1u) * 0x00010001u;
@@ -66,19 +81,16 @@ __device__ __forceinline__ void kivi_codes4(uint32_t w, uint32_t (&x)[4]) {
       x[3] = w8 & (M << 4);
     }
   } else {
-    // 2^(7 - P) in both halves: the exponent field 127 + 7 - P, an empty mantissa.
-    constexpr uint32_t H0 = (134u - kivi_code_pos<SD, BITS>(0)) << 7, H1 = (134u - kivi_code_pos<SD, BITS>(1)) << 7;
-    constexpr uint32_t H2 = (134u - kivi_code_pos<SD, BITS>(2)) << 7, H3 = (134u - kivi_code_pos<SD, BITS>(3)) << 7;
     if constexpr (BITS == 2) {  // codes at bits 0, 2, 4, 6: code 3 moves to bit 4
-      x[0] = kivi_and_or<M, H0 * 0x00010001u>(w);
-      x[1] = kivi_and_or<M << 2, H1 * 0x00010001u>(w);
-      x[2] = kivi_and_or<M << 4, H2 * 0x00010001u>(w);
-      x[3] = kivi_and_or<M << 4, H3 * 0x00010001u>(w >> 2);
+      x[0] = kivi_and_or<M, kivi_bf16_base<SD, BITS>(0)>(w);
+      x[1] = kivi_and_or<M << 2, kivi_bf16_base<SD, BITS>(1)>(w);
+      x[2] = kivi_and_or<M << 4, kivi_bf16_base<SD, BITS>(2)>(w);
+      x[3] = kivi_and_or<M << 4, kivi_bf16_base<SD, BITS>(3)>(w >> 2);
     } else {  // codes at bits 0, 4, 8, 12: to 0, 3, 0, 3
-      x[0] = kivi_and_or<M, H0 * 0x00010001u>(w);
-      x[1] = kivi_and_or<M << 3, H1 * 0x00010001u>(w >> 1);
-      x[2] = kivi_and_or<M, H2 * 0x00010001u>(w >> 8);
-      x[3] = kivi_and_or<M << 3, H3 * 0x00010001u>(w >> 9);
+      x[0] = kivi_and_or<M, kivi_bf16_base<SD, BITS>(0)>(w);
+      x[1] = kivi_and_or<M << 3, kivi_bf16_base<SD, BITS>(1)>(w >> 1);
+      x[2] = kivi_and_or<M, kivi_bf16_base<SD, BITS>(2)>(w >> 8);
+      x[3] = kivi_and_or<M << 3, kivi_bf16_base<SD, BITS>(3)>(w >> 9);
     }
   }
 }
