@@ -103,16 +103,22 @@ def make_input(b, s, bits, seed, dtype=mx.float16):
 _PLANS: dict = {}  # (id of an input, bits) -> its launch plan; cleared per shape
 
 
-def kernel_fn(args, bits):
+def kernel_fn(args, bits, units=None):
     """The dispatched kernel as a decode step's layer runs it: the launch plan
     (`dispatch.attend_plan`) is made once per input, as the engine makes it once per
-    step for all layers, and every call only launches."""
-    key = (id(args), bits)
+    step for all layers, and every call only launches. `units`: the split plan's
+    warps per SM for this arm (`launch.UNITS_PER_SM` while the plan is made)."""
+    key = (id(args), bits, units)
     plan = _PLANS.get(key)
     if plan is None:
         q, pool, *meta = args
-        plan = _PLANS[key] = dispatch.attend_plan(q.shape, q.dtype, pool, *meta, scale=SCALE, bits=bits,
-                                                  use_kernel=True)
+        default = launch.UNITS_PER_SM
+        launch.UNITS_PER_SM = units or default
+        try:
+            plan = _PLANS[key] = dispatch.attend_plan(q.shape, q.dtype, pool, *meta, scale=SCALE,
+                                                      bits=bits, use_kernel=True)
+        finally:
+            launch.UNITS_PER_SM = default
     return plan(args[0], args[1])
 
 
@@ -224,7 +230,7 @@ def copy_bandwidth(repeats):
     return 2 * n * 2 / float(np.median(t)), t
 
 
-def check(args, dense_out, bits):
+def check(args, dense_out, bits, units=None):
     """Max errors of the kernel vs the float32 reference (2 sequences) and vs deq+SDPA.
 
     Tolerance vs the reference as in tests/test_kernels_gpu.py; the MMA kernel rounds
@@ -232,7 +238,7 @@ def check(args, dense_out, bits):
     (u = 2^-11 in fp16, 2^-8 in bf16; |v| <= 4.5 for these inputs; the tests check it
     tightly against an oracle that rounds alike).
     """
-    out = kernel_fn(args, bits)
+    out = kernel_fn(args, bits, units)
     q, pool, table, nb, slots, tl = args
     # which split kernel and path the plan took
     mma = dispatch.backend() == "cuda" and cuda_attend.mma_supports(q.shape, pool, bits, G) is None
@@ -285,9 +291,10 @@ def main():
     ap.add_argument("--seqs", type=int, nargs="*", default=[1024, 4096, 16384, 32768])
     ap.add_argument("--bits", type=int, nargs="*", default=[4, 2])
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--units-per-sm", type=int, default=None, dest="units_per_sm",
-                    help="a split-plan arm: warps per SM the plan aims for (kernels.launch.UNITS_PER_SM, "
-                         f"default {launch.UNITS_PER_SM}); outputs are checked as always")
+    ap.add_argument("--units-per-sm", type=int, nargs="*", default=None, dest="units_per_sm",
+                    help="split-plan arms, interleaved in this process: warps per SM the plan aims "
+                         f"for (kernels.launch.UNITS_PER_SM, default {launch.UNITS_PER_SM}); every "
+                         "arm's output is checked")
     ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16",
                     help="the pool's and q's dtype (the engine's pools take the model's)")
     ap.add_argument("--max-fp16-gb", type=float, default=60.0)
@@ -303,11 +310,11 @@ def main():
     if not dispatch.kernel_available():
         sys.exit("no KIVI kernel backend here (needs MLX CUDA or Metal)")
     dtype = {"fp16": mx.float16, "bf16": mx.bfloat16}[a.dtype]
-    if a.units_per_sm is not None:
-        launch.UNITS_PER_SM = a.units_per_sm
+    # kernel arms: name -> the split plan's warps per SM (None: the default plan)
+    arms = {f"kernel@{u}": u for u in a.units_per_sm} if a.units_per_sm else {"kernel": None}
     print(f"mlx {mx.__version__}, device {mx.device_info().get('device_name', '?')}, "
           f"backend {dispatch.backend()}, TF32 env {os.environ.get('MLX_ENABLE_TF32')}, "
-          f"pools {a.dtype}, split plan for {launch.UNITS_PER_SM} warps per SM",
+          f"pools {a.dtype}, split plans for {a.units_per_sm or launch.UNITS_PER_SM} warps per SM",
           flush=True)
     copy_bw, copy_t = copy_bandwidth(a.repeats)
     print(f"device copy: {copy_bw / 1e12:.2f} TB/s (per-call ms {fmt_ms(copy_t)})", flush=True)
@@ -318,11 +325,11 @@ def main():
         shapes = [tuple(int(v) for v in x.split(":")) for x in a.shapes]
     if a.probe:
         probe(4)
-    header = ("| B | S | bits | kernel ms min/med/max | eff. GB/s | % copy | fp16 SDPA ms med "
+    header = ("| B | S | bits | arm | kernel ms min/med/max | eff. GB/s | % copy | fp16 SDPA ms med "
               "| x SDPA | deq+SDPA ms med | x deq | check (err ref / err deq) | SDPA spread |"
               + (" kernel device ms min/med/max | % copy (device) | SDPA device ms med | x SDPA (device) |"
                  if a.device_time else ""))
-    rows = [header, "|" + "---|" * (12 + 4 * a.device_time)]
+    rows = [header, "|" + "---|" * (13 + 4 * a.device_time)]
     path = os.path.join(a.out, "kernel_attend.md")
     results = []
     by_op = []  # device time by op: [shape, arm, arm device ms med, op, us per call]
@@ -338,41 +345,43 @@ def main():
             n_inputs = max(3, min(n_inputs, int(40 / fp16_gb)))  # dense copies <= ~40 GB
             made = [make_input(b, s, bits, seed=100 * i + bits, dtype=dtype) for i in range(n_inputs)]
             nblk, tail = made[0][2], made[0][3]
-            variants = {"kernel": lambda x, bits=bits: kernel_fn(x[0], bits)}
+            variants = {arm: lambda x, bits=bits, u=u: kernel_fn(x[0], bits, u) for arm, u in arms.items()}
             variants["sdpa"] = lambda x: sdpa_fn(x[0][0], *x[1])
             if not a.no_deq:
                 variants["deq"] = lambda x, bits=bits, tail=tail: deq_sdpa_fn(x[0], bits, tail)
             inputs = [(m[0], m[1]) for m in made]
             dq_out = deq_sdpa_fn(inputs[0][0], bits, tail)
-            ok, e_ref, e_dq = check(inputs[0][0], dq_out, bits)
+            checks = {arm: check(inputs[0][0], dq_out, bits, u) for arm, u in arms.items()}
             t = time_variants(variants, inputs, a.repeats)
             med = {k: float(np.median(v)) for k, v in t.items()}
             nbytes = kernel_bytes(b, nblk, tail, bits)
             spread = (max(t["sdpa"]) - min(t["sdpa"])) / med["sdpa"]
-            kt, km = t["kernel"], med["kernel"]
-            bw = nbytes / km
-            deq = f"{med['deq'] * 1e3:.3f}" if "deq" in med else "-"
-            xdeq = f"{med['deq'] / km:.2f}" if "deq" in med else "-"
-            row = (f"| {b} | {s} | {bits} | {fmt_ms(kt)} | {bw / 1e9:.0f} | "
-                   f"{100 * bw / copy_bw:.0f}% | {med['sdpa'] * 1e3:.3f} | "
-                   f"{med['sdpa'] / km:.2f} | {deq} | {xdeq} | "
-                   f"{'ok' if ok else 'FAIL'} ({e_ref:.1e} / {e_dq:.1e}) | "
-                   f"{100 * spread:.1f}% |")
-            result = dict(b=b, s=s, bits=bits, pct=bw / copy_bw, ok=ok, x_sdpa=med["sdpa"] / km,
-                          x_deq=(med["deq"] / km) if "deq" in med else None)
             if a.device_time:
-                dt, ops = device_times({k: variants[k] for k in ("kernel", "sdpa")}, inputs,
-                                       a.repeats)
+                dt, ops = device_times({k: variants[k] for k in (*arms, "sdpa")}, inputs, a.repeats)
                 for arm, counter in ops.items():
                     by_op.extend([f"{b}:{s}:{bits}", arm, f"{np.median(dt[arm]) * 1e3:.3f}", op, f"{us:.1f}"]
                                  for op, us in counter.most_common(4))
-                kd, sd = float(np.median(dt["kernel"])), float(np.median(dt["sdpa"]))
-                row += (f" {fmt_ms(dt['kernel'])} | {100 * nbytes / kd / copy_bw:.0f}% | {sd * 1e3:.3f} | "
-                        f"{sd / kd:.2f} |")
-                result.update(pct_device=nbytes / kd / copy_bw, x_sdpa_device=sd / kd)
-            rows.append(row)
-            results.append(result)
-            print(row, flush=True)
+            for arm in arms:
+                ok, e_ref, e_dq = checks[arm]
+                kt, km = t[arm], med[arm]
+                bw = nbytes / km
+                deq = f"{med['deq'] * 1e3:.3f}" if "deq" in med else "-"
+                xdeq = f"{med['deq'] / km:.2f}" if "deq" in med else "-"
+                row = (f"| {b} | {s} | {bits} | {arm} | {fmt_ms(kt)} | {bw / 1e9:.0f} | "
+                       f"{100 * bw / copy_bw:.0f}% | {med['sdpa'] * 1e3:.3f} | "
+                       f"{med['sdpa'] / km:.2f} | {deq} | {xdeq} | "
+                       f"{'ok' if ok else 'FAIL'} ({e_ref:.1e} / {e_dq:.1e}) | "
+                       f"{100 * spread:.1f}% |")
+                result = dict(b=b, s=s, bits=bits, pct=bw / copy_bw, ok=ok, x_sdpa=med["sdpa"] / km,
+                              x_deq=(med["deq"] / km) if "deq" in med else None)
+                if a.device_time:
+                    kd, sd = float(np.median(dt[arm])), float(np.median(dt["sdpa"]))
+                    row += (f" {fmt_ms(dt[arm])} | {100 * nbytes / kd / copy_bw:.0f}% | {sd * 1e3:.3f} | "
+                            f"{sd / kd:.2f} |")
+                    result.update(pct_device=nbytes / kd / copy_bw, x_sdpa_device=sd / kd)
+                rows.append(row)
+                results.append(result)
+                print(row, flush=True)
             with open(path, "w") as f:
                 f.write(f"device copy bandwidth: {copy_bw / 1e12:.2f} TB/s\n\n")
                 f.write("\n".join(rows) + "\n")

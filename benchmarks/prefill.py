@@ -44,6 +44,10 @@ from kiviq.engine import Request, build_engine  # noqa: E402
 from tests.engine_runs import IdTokenizer  # noqa: E402
 
 
+COLUMNS = ["budget", "cap while decoding", "run", "", "all first tokens s", "prompt tok/s", "total s",
+           "generated tok/s", "ITL in burst p50/p99 ms", "ITL after p50/p99 ms", "tokens"]
+
+
 def make_prompts(run: int, n: int, tokens: int, vocab: int) -> list[list[int]]:
     """n distinct prompts of tokens +-10%, the same for the same run index."""
     rng = np.random.default_rng(1000 + run)
@@ -115,9 +119,9 @@ def main() -> None:
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--max-batch-tokens", type=int, nargs="*", default=[None],
                    help="engine budgets to run (default: the worker's default)")
-    p.add_argument("--prefill-while-decoding", type=int, default=None, dest="prefill_while_decoding",
-                   help="cap a step's prompt tokens while sequences decode (the worker's "
-                        "--prefill-while-decoding; default: no cap)")
+    p.add_argument("--prefill-while-decoding", type=int, nargs="*", default=[None], dest="prefill_while_decoding",
+                   help="caps on a step's prompt tokens while sequences decode to run, one engine each "
+                        "(the worker's --prefill-while-decoding; default: no cap); 0 is no cap")
     p.add_argument("--warm-up", action="store_true", dest="warm_up",
                    help="run the worker's warm-up (engine.warmup) before the first run, and time it")
     p.add_argument("--ceiling", action="store_true", help="also time the bare model over the same prompts")
@@ -129,12 +133,13 @@ def main() -> None:
     model = random_model(args.shape, getattr(mx, args.dtype), None)
     vocab = SHAPES[args.shape]["vocab_size"]
     rows, events = [], []
-    for budget in args.max_batch_tokens:
+    arms = [(budget, cap or None) for budget in args.max_batch_tokens for cap in args.prefill_while_decoding]
+    for arm, (budget, cap) in enumerate(arms):
         options = {} if budget is None else {"max_batch_tokens": budget}
         engine = build_engine(model, IdTokenizer(), kv_bits=args.bits, max_sequences=args.requests,
-                              prefill_while_decoding=args.prefill_while_decoding, **options)
+                              prefill_while_decoding=cap, **options)
         budget = engine.scheduler.max_batch_tokens
-        if args.warm_up:
+        if args.warm_up and not arm:  # what it compiles serves the later engines too
             from kiviq.engine.warmup import warm_up
 
             print(f"warm-up took {warm_up(engine, vocab):.1f} s", flush=True)
@@ -144,18 +149,18 @@ def main() -> None:
             with device_trace() if traced else contextlib.nullcontext([]) as ev:
                 r = run_engine(engine, prompts, args.gen)
             events = ev or events
-            rows.append([budget, run, ("after warm-up" if args.warm_up else "cold") if run == 0 else "warm", f"{r['first_all']:.2f}",
+            # Compiled shapes stay with the process: only its first run is cold.
+            state = "warm" if run or arm else "after warm-up" if args.warm_up else "cold"
+            rows.append([budget, cap or "-", run, state, f"{r['first_all']:.2f}",
                          f"{r['prompt'] / r['first_all']:,.0f}", f"{r['total']:.2f}",
                          f"{r['generated'] / r['total']:,.1f}",
                          f"{pct(r['itl_burst'], 50)} / {pct(r['itl_burst'], 99)}",
                          f"{pct(r['itl'], 50)} / {pct(r['itl'], 99)}", r["digest"]])
-            print(table(["budget", "run", "", "all first tokens s", "prompt tok/s", "total s", "generated tok/s",
-                         "ITL in burst p50/p99 ms", "ITL after p50/p99 ms", "tokens"], rows[-1:]), flush=True)
+            print(table(COLUMNS, rows[-1:]), flush=True)
         del engine
     print(f"\n{args.requests} requests x ~{args.prompt_tokens} prompt tokens x {args.gen} new, "
           f"{args.shape} {args.dtype}, KIVI {args.bits}-bit\n")
-    print(table(["budget", "run", "", "all first tokens s", "prompt tok/s", "total s", "generated tok/s",
-                 "ITL in burst p50/p99 ms", "ITL after p50/p99 ms", "tokens"], rows))
+    print(table(COLUMNS, rows))
     if args.ceiling:
         prompts = make_prompts(0, args.requests, args.prompt_tokens, vocab)
         budget = rows[-1][0]

@@ -40,13 +40,16 @@ POOL_NAMES = ("k_codes", "k_scales", "k_zeros", "v_codes", "v_scales", "v_zeros"
 
 
 def split_plan(batch: int, kv_heads: int, max_blocks: int, group_size: int,
-               sms: int | None = None, step_tokens: int = STEP_TOKENS) -> tuple[int, int]:
+               sms: int | None = None, step_tokens: int = STEP_TOKENS,
+               warps: int = WARPS) -> tuple[int, int]:
     """Split-K plan from the shape alone: (quantized splits S, blocks per split).
 
     A warp step covers `step_tokens` tokens (256 for the CUDA-core kernel, one block
     for the MMA kernel), so splits are whole steps. Enough splits that
     B * H_kv * S warps give every SM several waves even at B = 1; never more splits
-    than steps. The tail is one more split, not counted here.
+    than steps. The tail is one more split, not counted here. Where there are at least
+    `warps` steps the count is a multiple of `warps` (the warps of a thread block, one
+    split each), so the last few splits may be empty.
 
     Args:
         sms: streaming multiprocessors to fill; None reads the device's
@@ -59,7 +62,14 @@ def split_plan(batch: int, kv_heads: int, max_blocks: int, group_size: int,
     want = max(1, -(-(sms or num_sms()) * UNITS_PER_SM // (batch * kv_heads)))
     want = min(want, MAX_SPLITS - MAX_TAIL_SPLITS)  # the merge keeps a weight per split in smem
     steps_per_split = -(-steps // min(steps, want))
-    return -(-steps // steps_per_split), steps_per_split * step_blocks
+    splits = -(-steps // steps_per_split)
+    if steps >= warps:
+        # Whole thread blocks of quantized splits: the tail's short splits then never
+        # share a block with a long one (a block holds its SM slot until its slowest
+        # warp ends).
+        splits = -(-splits // warps) * warps
+        steps_per_split = -(-steps // splits)
+    return splits, steps_per_split * step_blocks
 
 
 def supports(q_shape, q_dtype, pool: KiviPool, bits: int, group_size: int) -> str | None:
@@ -154,7 +164,7 @@ def attend_launch(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_
         raise ValueError(f"kivi kernel does not support {reason}")
     rep = h_q // h_kv
     mb = block_tables.shape[1]
-    nsplit, bps = split_plan(b, h_kv, mb, group_size, sms, step_tokens)
+    nsplit, bps = split_plan(b, h_kv, mb, group_size, sms, step_tokens, warps)
     if mb == 0:  # no quantized blocks anywhere: a dummy column, never read
         block_tables = mx.zeros((b, 1), dtype=mx.int32)
     i32 = lambda a: a if a.dtype == mx.int32 else a.astype(mx.int32)  # noqa: E731
