@@ -21,7 +21,9 @@ Noise floor: the spread (max - min) / median of the unchanged fp16 SDPA baseline
 
 Run (GPU): MLX_ENABLE_TF32=0 python benchmarks/kernel_attend.py --out DIR
   (full grid: B in {1, 8, 32, 64} x S in {1k, 4k, 16k, 32k} x bits {4, 2}, plus
-  B=32 S=8k and B=64 S=16k); `--shapes 32:8192 1:32768` for a subset, `--probe` to
+  B=32 S=8k and B=64 S=16k); `--shapes 32:8192 1:32768` for a subset;
+  `--units-per-sm 32 48` and `--wave-plan 12 16` add split-plan arms (checked and
+  timed interleaved with the rest); `--probe` to
   split per-call time into host graph building and GPU evaluation, `--device-time` to
   also record the kernel's and fp16 SDPA's device time per call (CUPTI via
   torch.profiler: what the GPU spent, whatever the host spent launching; a table of
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import math
 import os
@@ -100,25 +103,63 @@ def make_input(b, s, bits, seed, dtype=mx.float16):
     return args, dense, nblk, tail
 
 
-_PLANS: dict = {}  # (id of an input, bits) -> its launch plan; cleared per shape
+_PLANS: dict = {}  # (id of an input, bits, arm) -> its launch plan; cleared per shape
+
+SPLIT_OVERHEAD_BLOCKS = 1.5  # a split's prologue and epilogue, in blocks (wave_plan's cost)
 
 
-def kernel_fn(args, bits, units=None):
+def wave_plan(batch, kv_heads, max_blocks, group_size, sms=None, step_tokens=launch.STEP_TOKENS,
+              warps=launch.WARPS, *, resident_warps):
+    """An experimental split plan (arm `waves@W`, same signature and result as
+    `kernels.launch.split_plan`): among split counts that fill whole thread blocks,
+    the one whose quantized blocks finish soonest if `resident_warps` warps per SM run
+    at once: waves x (blocks per split + a split's fixed cost); ties go to fewer
+    splits (a smaller merge). The tail's short blocks are not counted."""
+    step_blocks = max(1, step_tokens // group_size)
+    steps = -(-max_blocks // step_blocks)
+    if steps == 0:
+        return 0, step_blocks
+    slots = (sms or launch.num_sms()) * max(1, resident_warps // warps)  # thread blocks at once
+    pairs = batch * kv_heads
+    best = None
+    top = min(-(-steps // warps) * warps, launch.MAX_SPLITS - launch.MAX_TAIL_SPLITS)
+    for n in range(warps, top + 1, warps):
+        per = -(-steps // n)
+        waves = -(-(pairs * n // warps) // slots)
+        cost = waves * (per + SPLIT_OVERHEAD_BLOCKS)
+        if best is None or cost < best[0]:
+            best = (cost, n, per)
+    return best[1], best[2] * step_blocks
+
+
+@contextlib.contextmanager
+def plan_arm(arm):
+    """The split plan of an arm while a launch plan is made: None (the default),
+    ("units", N) (`launch.UNITS_PER_SM` = N) or ("waves", W) (`wave_plan` for W
+    resident warps per SM)."""
+    saved = launch.UNITS_PER_SM, launch.split_plan
+    if arm and arm[0] == "units":
+        launch.UNITS_PER_SM = arm[1]
+    elif arm and arm[0] == "waves":
+        launch.split_plan = functools.partial(wave_plan, resident_warps=arm[1])
+    try:
+        yield
+    finally:
+        launch.UNITS_PER_SM, launch.split_plan = saved
+
+
+def kernel_fn(args, bits, arm=None):
     """The dispatched kernel as a decode step's layer runs it: the launch plan
     (`dispatch.attend_plan`) is made once per input, as the engine makes it once per
-    step for all layers, and every call only launches. `units`: the split plan's
-    warps per SM for this arm (`launch.UNITS_PER_SM` while the plan is made)."""
-    key = (id(args), bits, units)
+    step for all layers, and every call only launches. `arm`: the split plan to
+    make it with (`plan_arm`)."""
+    key = (id(args), bits, arm)
     plan = _PLANS.get(key)
     if plan is None:
         q, pool, *meta = args
-        default = launch.UNITS_PER_SM
-        launch.UNITS_PER_SM = units or default
-        try:
+        with plan_arm(arm):
             plan = _PLANS[key] = dispatch.attend_plan(q.shape, q.dtype, pool, *meta, scale=SCALE,
                                                       bits=bits, use_kernel=True)
-        finally:
-            launch.UNITS_PER_SM = default
     return plan(args[0], args[1])
 
 
@@ -230,7 +271,7 @@ def copy_bandwidth(repeats):
     return 2 * n * 2 / float(np.median(t)), t
 
 
-def check(args, dense_out, bits, units=None):
+def check(args, dense_out, bits, arm=None):
     """Max errors of the kernel vs the float32 reference (2 sequences) and vs deq+SDPA.
 
     Tolerance vs the reference as in tests/test_kernels_gpu.py; the MMA kernel rounds
@@ -238,7 +279,7 @@ def check(args, dense_out, bits, units=None):
     (u = 2^-11 in fp16, 2^-8 in bf16; |v| <= 4.5 for these inputs; the tests check it
     tightly against an oracle that rounds alike).
     """
-    out = kernel_fn(args, bits, units)
+    out = kernel_fn(args, bits, arm)
     q, pool, table, nb, slots, tl = args
     # which split kernel and path the plan took
     mma = dispatch.backend() == "cuda" and cuda_attend.mma_supports(q.shape, pool, bits, G) is None
@@ -291,10 +332,13 @@ def main():
     ap.add_argument("--seqs", type=int, nargs="*", default=[1024, 4096, 16384, 32768])
     ap.add_argument("--bits", type=int, nargs="*", default=[4, 2])
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--units-per-sm", type=int, nargs="*", default=None, dest="units_per_sm",
+    ap.add_argument("--units-per-sm", type=int, nargs="*", default=[], dest="units_per_sm",
                     help="split-plan arms, interleaved in this process: warps per SM the plan aims "
                          f"for (kernels.launch.UNITS_PER_SM, default {launch.UNITS_PER_SM}); every "
                          "arm's output is checked")
+    ap.add_argument("--wave-plan", type=int, nargs="*", default=[], dest="wave_plan",
+                    help="experimental split-plan arms (wave_plan): the warps per SM assumed resident "
+                         "(16 for the fp16 2-bit MMA kernel's 128 registers, 12 for the others)")
     ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16",
                     help="the pool's and q's dtype (the engine's pools take the model's)")
     ap.add_argument("--max-fp16-gb", type=float, default=60.0)
@@ -311,10 +355,14 @@ def main():
         sys.exit("no KIVI kernel backend here (needs MLX CUDA or Metal)")
     dtype = {"fp16": mx.float16, "bf16": mx.bfloat16}[a.dtype]
     # kernel arms: name -> the split plan's warps per SM (None: the default plan)
-    arms = {f"kernel@{u}": u for u in a.units_per_sm} if a.units_per_sm else {"kernel": None}
+    arms = {f"kernel@{u}": ("units", u) for u in a.units_per_sm}
+    arms.update({f"waves@{w}": ("waves", w) for w in a.wave_plan})
+    if a.wave_plan and not a.units_per_sm:
+        arms = {"kernel": None, **arms}  # the default plan beside the experiment
+    arms = arms or {"kernel": None}
     print(f"mlx {mx.__version__}, device {mx.device_info().get('device_name', '?')}, "
           f"backend {dispatch.backend()}, TF32 env {os.environ.get('MLX_ENABLE_TF32')}, "
-          f"pools {a.dtype}, split plans for {a.units_per_sm or launch.UNITS_PER_SM} warps per SM",
+          f"pools {a.dtype}, split plans {list(arms)} (default: {launch.UNITS_PER_SM} warps per SM)",
           flush=True)
     copy_bw, copy_t = copy_bandwidth(a.repeats)
     print(f"device copy: {copy_bw / 1e12:.2f} TB/s (per-call ms {fmt_ms(copy_t)})", flush=True)
@@ -345,13 +393,13 @@ def main():
             n_inputs = max(3, min(n_inputs, int(40 / fp16_gb)))  # dense copies <= ~40 GB
             made = [make_input(b, s, bits, seed=100 * i + bits, dtype=dtype) for i in range(n_inputs)]
             nblk, tail = made[0][2], made[0][3]
-            variants = {arm: lambda x, bits=bits, u=u: kernel_fn(x[0], bits, u) for arm, u in arms.items()}
+            variants = {name: lambda x, bits=bits, arm=arm: kernel_fn(x[0], bits, arm) for name, arm in arms.items()}
             variants["sdpa"] = lambda x: sdpa_fn(x[0][0], *x[1])
             if not a.no_deq:
                 variants["deq"] = lambda x, bits=bits, tail=tail: deq_sdpa_fn(x[0], bits, tail)
             inputs = [(m[0], m[1]) for m in made]
             dq_out = deq_sdpa_fn(inputs[0][0], bits, tail)
-            checks = {arm: check(inputs[0][0], dq_out, bits, u) for arm, u in arms.items()}
+            checks = {name: check(inputs[0][0], dq_out, bits, arm) for name, arm in arms.items()}
             t = time_variants(variants, inputs, a.repeats)
             med = {k: float(np.median(v)) for k, v in t.items()}
             nbytes = kernel_bytes(b, nblk, tail, bits)
