@@ -39,30 +39,54 @@ def ensure_redis(url: str) -> tuple[str, Callable[[], None], str]:
     return start_redis()
 
 
-def start_redis() -> tuple[str, Callable[[], None], str]:
+def start_redis(attempts: int = 5) -> tuple[str, Callable[[], None], str]:
     """Start a Redis of our own on a free port (a ``redis-server`` binary in a
     temporary directory, else an embedded server) and return its URL, the
-    function that stops it, and which kind it is. Never reuses a running server."""
-    port = free_port()
+    function that stops it, and which kind it is. Never reuses a running server:
+    a port is free when we pick it but another process may take it before our
+    server binds it (two test processes starting at once), so the server that
+    answers must be ours (its process id), else we try another port."""
     binary = shutil.which("redis-server")
-    if binary:
-        workdir = tempfile.mkdtemp(prefix="kiviq-redis-")
-        proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        started = f"redis://127.0.0.1:{port}/0"
+    for _ in range(attempts):
+        started = _start_binary(binary) if binary else _start_embedded()
+        if started is not None:
+            return started
+    raise RuntimeError(f"could not start a Redis of our own in {attempts} attempts (ports taken meanwhile)")
+
+
+def _start_binary(binary: str) -> tuple[str, Callable[[], None], str] | None:
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="kiviq-redis-")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    started = f"redis://127.0.0.1:{port}/0"
+
+    def stop() -> None:
+        proc.terminate()
+        proc.wait(timeout=10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    try:
         _wait_until_up(started)
+        ours = int(Redis.from_url(started).info("server")["process_id"]) == proc.pid
+    except (RuntimeError, RedisError, OSError, KeyError, ValueError):
+        ours = False
+    if not ours:  # someone else's server took the port: never use it
+        stop()
+        return None
+    return started, stop, "redis-server"
 
-        def stop() -> None:
-            proc.terminate()
-            proc.wait(timeout=10)
-            shutil.rmtree(workdir, ignore_errors=True)
 
-        return started, stop, "redis-server"
+def _start_embedded() -> tuple[str, Callable[[], None], str] | None:
     from fakeredis import TcpFakeServer  # fallback only: no server binary here
 
-    server = TcpFakeServer(("127.0.0.1", port), server_type="redis")
+    port = free_port()
+    try:
+        server = TcpFakeServer(("127.0.0.1", port), server_type="redis")
+    except OSError:  # the port was taken meanwhile
+        return None
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     started = f"redis://127.0.0.1:{port}/0"

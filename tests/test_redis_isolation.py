@@ -38,3 +38,31 @@ def test_a_users_redis_keeps_its_data_through_the_suite():
 def test_the_suites_server_is_its_own(redis_url):
     assert redis_url != "redis://127.0.0.1:6379/15"
     assert Redis.from_url(redis_url).info("server")["tcp_port"] != 6379
+
+
+@pytest.mark.parametrize("kind", ["redis-server", "embedded"])
+def test_start_redis_never_takes_a_server_that_got_its_port_first(redis_server, monkeypatch, kind):
+    """A port is free when start_redis picks it, but another process (a second test
+    run starting at the same moment) may bind it first: the server that answers
+    there is not ours, so start_redis tries another port and leaves that one alone."""
+    from kiviq.client import local_redis
+
+    if kind == "redis-server" and shutil.which("redis-server") is None:
+        pytest.skip("needs a redis-server binary")
+    if kind == "embedded":
+        monkeypatch.setattr(local_redis.shutil, "which", lambda _name: None)
+    taken = int(redis_server.rsplit(":", 1)[1].split("/")[0])
+    picks = iter([taken])
+    real = local_redis.free_port
+    monkeypatch.setattr(local_redis, "free_port", lambda: next(picks, None) or real())
+    other = Redis.from_url(redis_server)
+    other.set("theirs", "1")
+    url, stop, got = start_redis()
+    try:
+        assert got == kind and url != redis_server
+        assert int(url.rsplit(":", 1)[1].split("/")[0]) != taken
+        Redis.from_url(url).set("ours", "1")
+        assert other.get("theirs") == b"1" and other.get("ours") is None
+    finally:
+        stop()
+        other.delete("theirs")
