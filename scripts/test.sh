@@ -5,4 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh "[dev]"
-exec .venv/bin/python -m pytest "$@"
+# Up to 4 worker processes (pytest-xdist), one per core: most tests wait on a model
+# forward, a subprocess or Redis. Each worker starts its own Redis. "-n 0" runs serially.
+exec .venv/bin/python -m pytest -n auto --maxprocesses 4 "$@"
