@@ -70,11 +70,11 @@ def _start_binary(binary: str) -> tuple[str, Callable[[], None], str] | None:
 
     try:
         _wait_until_up(started)
-        ours = int(Redis.from_url(started).info("server")["process_id"]) == proc.pid
-    except (RuntimeError, RedisError, OSError, KeyError, ValueError):
-        ours = False
-    if not ours:  # someone else's server took the port: never use it
+    except RuntimeError:  # nothing answers: our server did not start (no race)
         stop()
+        raise
+    if Redis.from_url(started).info("server").get("process_id") != proc.pid:
+        stop()  # someone else's server took the port first: never use it
         return None
     return started, stop, "redis-server"
 
