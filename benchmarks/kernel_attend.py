@@ -354,7 +354,7 @@ def main():
     if not dispatch.kernel_available():
         sys.exit("no KIVI kernel backend here (needs MLX CUDA or Metal)")
     dtype = {"fp16": mx.float16, "bf16": mx.bfloat16}[a.dtype]
-    # kernel arms: name -> the split plan's warps per SM (None: the default plan)
+    # kernel arms: name -> its split plan (`plan_arm`; None: the default plan)
     arms = {f"kernel@{u}": ("units", u) for u in a.units_per_sm}
     arms.update({f"waves@{w}": ("waves", w) for w in a.wave_plan})
     if a.wave_plan and not a.units_per_sm:
