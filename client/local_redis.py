@@ -73,7 +73,11 @@ def _start_binary(binary: str) -> tuple[str, Callable[[], None], str] | None:
     except RuntimeError:  # nothing answers: our server did not start (no race)
         stop()
         raise
-    if Redis.from_url(started).info("server").get("process_id") != proc.pid:
+    try:
+        pid = Redis.from_url(started).info("server").get("process_id")
+    except RedisError:  # e.g. a server that wants a password: not ours either
+        pid = None
+    if pid != proc.pid:
         stop()  # someone else's server took the port first: never use it
         return None
     return started, stop, "redis-server"
