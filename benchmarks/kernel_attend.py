@@ -22,7 +22,7 @@ Noise floor: the spread (max - min) / median of the unchanged fp16 SDPA baseline
 Run (GPU): MLX_ENABLE_TF32=0 python benchmarks/kernel_attend.py --out DIR
   (full grid: B in {1, 8, 32, 64} x S in {1k, 4k, 16k, 32k} x bits {4, 2}, plus
   B=32 S=8k and B=64 S=16k); `--shapes 32:8192 1:32768` for a subset;
-  `--units-per-sm 32 48` and `--wave-plan 12 16` add split-plan arms (checked and
+  `--units-per-sm 32 48` and `--min-split-blocks 0 8` add split-plan arms (checked and
   timed interleaved with the rest); `--probe` to
   split per-call time into host graph building and GPU evaluation, `--device-time` to
   also record the kernel's and fp16 SDPA's device time per call (CUPTI via
@@ -105,47 +105,20 @@ def make_input(b, s, bits, seed, dtype=mx.float16):
 
 _PLANS: dict = {}  # (id of an input, bits, arm) -> its launch plan; cleared per shape
 
-SPLIT_OVERHEAD_BLOCKS = 1.5  # a split's prologue and epilogue, in blocks (wave_plan's cost)
-
-
-def wave_plan(batch, kv_heads, max_blocks, group_size, sms=None, step_tokens=launch.STEP_TOKENS,
-              warps=launch.WARPS, *, resident_warps):
-    """An experimental split plan (arm `waves@W`, same signature and result as
-    `kernels.launch.split_plan`): among split counts that fill whole thread blocks,
-    the one whose quantized blocks finish soonest if `resident_warps` warps per SM run
-    at once: waves x (blocks per split + a split's fixed cost); ties go to fewer
-    splits (a smaller merge). The tail's short blocks are not counted."""
-    step_blocks = max(1, step_tokens // group_size)
-    steps = -(-max_blocks // step_blocks)
-    if steps == 0:
-        return 0, step_blocks
-    slots = (sms or launch.num_sms()) * max(1, resident_warps // warps)  # thread blocks at once
-    pairs = batch * kv_heads
-    best = None
-    top = min(-(-steps // warps) * warps, launch.MAX_SPLITS - launch.MAX_TAIL_SPLITS)
-    for n in range(warps, top + 1, warps):
-        per = -(-steps // n)
-        waves = -(-(pairs * n // warps) // slots)
-        cost = waves * (per + SPLIT_OVERHEAD_BLOCKS)
-        if best is None or cost < best[0]:
-            best = (cost, n, per)
-    return best[1], best[2] * step_blocks
-
-
 @contextlib.contextmanager
 def plan_arm(arm):
     """The split plan of an arm while a launch plan is made: None (the default),
-    ("units", N) (`launch.UNITS_PER_SM` = N) or ("waves", W) (`wave_plan` for W
-    resident warps per SM)."""
-    saved = launch.UNITS_PER_SM, launch.split_plan
+    ("units", N) (`launch.UNITS_PER_SM` = N) or ("min", N) (`launch.MIN_SPLIT_BLOCKS`
+    = N; 0 keeps the occupancy plan at every batch)."""
+    saved = launch.UNITS_PER_SM, launch.MIN_SPLIT_BLOCKS
     if arm and arm[0] == "units":
         launch.UNITS_PER_SM = arm[1]
-    elif arm and arm[0] == "waves":
-        launch.split_plan = functools.partial(wave_plan, resident_warps=arm[1])
+    elif arm and arm[0] == "min":
+        launch.MIN_SPLIT_BLOCKS = arm[1]
     try:
         yield
     finally:
-        launch.UNITS_PER_SM, launch.split_plan = saved
+        launch.UNITS_PER_SM, launch.MIN_SPLIT_BLOCKS = saved
 
 
 def kernel_fn(args, bits, arm=None):
@@ -336,9 +309,9 @@ def main():
                     help="split-plan arms, interleaved in this process: warps per SM the plan aims "
                          f"for (kernels.launch.UNITS_PER_SM, default {launch.UNITS_PER_SM}); every "
                          "arm's output is checked")
-    ap.add_argument("--wave-plan", type=int, nargs="*", default=[], dest="wave_plan",
-                    help="experimental split-plan arms (wave_plan): the warps per SM assumed resident "
-                         "(16 for the fp16 2-bit MMA kernel's 128 registers, 12 for the others)")
+    ap.add_argument("--min-split-blocks", type=int, nargs="*", default=[], dest="min_split_blocks",
+                    help="split-plan arms: splits shorter than this take the wave plan "
+                         f"(kernels.launch.MIN_SPLIT_BLOCKS, default {launch.MIN_SPLIT_BLOCKS}; 0: never)")
     ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16",
                     help="the pool's and q's dtype (the engine's pools take the model's)")
     ap.add_argument("--max-fp16-gb", type=float, default=60.0)
@@ -356,8 +329,8 @@ def main():
     dtype = {"fp16": mx.float16, "bf16": mx.bfloat16}[a.dtype]
     # kernel arms: name -> its split plan (`plan_arm`; None: the default plan)
     arms = {f"kernel@{u}": ("units", u) for u in a.units_per_sm}
-    arms.update({f"waves@{w}": ("waves", w) for w in a.wave_plan})
-    if a.wave_plan and not a.units_per_sm:
+    arms.update({f"min@{m}": ("min", m) for m in a.min_split_blocks})
+    if a.min_split_blocks and not a.units_per_sm:
         arms = {"kernel": None, **arms}  # the default plan beside the experiment
     arms = arms or {"kernel": None}
     print(f"mlx {mx.__version__}, device {mx.device_info().get('device_name', '?')}, "

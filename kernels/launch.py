@@ -27,6 +27,13 @@ MMA_STEP_TOKENS = 32
 # Splits are sized so the grid holds about this many warps per SM (several waves of
 # short units; the hardware scheduler balances ragged batches).
 UNITS_PER_SM = 48
+# Splits shorter than this many blocks spend much of their time on a split's fixed
+# cost (q loaded, partials written and merged): small batches get the wave plan
+# instead (H200: B = 1-32 at 4k-32k tokens 8-33% faster; where the occupancy plan's
+# splits are >= 8 blocks, the wave plan's longer ones were 0-18% slower).
+MIN_SPLIT_BLOCKS = 8
+RESIDENT_WARPS = 12  # warps per SM the wave plan counts on (3 blocks at ~150-162 registers)
+SPLIT_COST_STEPS = 1.5  # a split's fixed cost, in warp steps (the wave plan's model)
 MAX_SPLITS = 1024  # quantized splits + the tail's, per (sequence, kv head)
 # The tail (R + G - 1 rows at most) is cut into splits of this many rows, one warp each
 # (KIVI_TAIL_ROWS in the source): one warp for all of it was the critical path at B = 1.
@@ -46,10 +53,12 @@ def split_plan(batch: int, kv_heads: int, max_blocks: int, group_size: int,
 
     A warp step covers `step_tokens` tokens (256 for the CUDA-core kernel, one block
     for the MMA kernel), so splits are whole steps. Enough splits that
-    B * H_kv * S warps give every SM several waves even at B = 1; never more splits
-    than steps. The tail is one more split, not counted here. Where there are at least
-    `warps` steps the count is a multiple of `warps` (the warps of a thread block, one
-    split each), so the last few splits may be empty.
+    B * H_kv * S warps give every SM several waves even at B = 1 (`_occupancy_plan`);
+    where that makes splits shorter than MIN_SPLIT_BLOCKS (small batches), fewer,
+    longer splits packed into whole waves instead (`_wave_plan`). The tail is one
+    more split, not counted here. Where there are at least `warps` steps the count is
+    a multiple of `warps` (the warps of a thread block, one split each), so the last
+    few splits may be empty.
 
     Args:
         sms: streaming multiprocessors to fill; None reads the device's
@@ -59,17 +68,43 @@ def split_plan(batch: int, kv_heads: int, max_blocks: int, group_size: int,
     steps = -(-max_blocks // step_blocks)
     if steps == 0:
         return 0, step_blocks
-    want = max(1, -(-(sms or num_sms()) * UNITS_PER_SM // (batch * kv_heads)))
+    sms = sms or num_sms()
+    splits, per = _occupancy_plan(batch * kv_heads, steps, sms, warps)
+    if per * step_blocks < MIN_SPLIT_BLOCKS and steps >= warps:
+        splits, per = _wave_plan(batch * kv_heads, steps, sms, warps)
+    return splits, per * step_blocks
+
+
+def _occupancy_plan(pairs: int, steps: int, sms: int, warps: int) -> tuple[int, int]:
+    """(splits, steps per split): about UNITS_PER_SM warps per SM, never more splits
+    than steps, whole thread blocks of splits."""
+    want = max(1, -(-sms * UNITS_PER_SM // pairs))
     want = min(want, MAX_SPLITS - MAX_TAIL_SPLITS)  # the merge keeps a weight per split in smem
-    steps_per_split = -(-steps // min(steps, want))
-    splits = -(-steps // steps_per_split)
+    per = -(-steps // min(steps, want))
+    splits = -(-steps // per)
     if steps >= warps:
         # Whole thread blocks of quantized splits: the tail's short splits then never
         # share a block with a long one (a block holds its SM slot until its slowest
         # warp ends).
         splits = -(-splits // warps) * warps
-        steps_per_split = -(-steps // splits)
-    return splits, steps_per_split * step_blocks
+        per = -(-steps // splits)
+    return splits, per
+
+
+def _wave_plan(pairs: int, steps: int, sms: int, warps: int) -> tuple[int, int]:
+    """(splits, steps per split) whose thread blocks finish soonest if RESIDENT_WARPS
+    warps per SM run at once: waves x (steps per split + SPLIT_COST_STEPS), ties to
+    fewer splits (a smaller merge). Split counts are multiples of `warps`."""
+    slots = sms * max(1, RESIDENT_WARPS // warps)  # thread blocks at once
+    top = min(-(-steps // warps) * warps, MAX_SPLITS - MAX_TAIL_SPLITS)
+    best = None
+    for splits in range(warps, top + 1, warps):
+        per = -(-steps // splits)
+        waves = -(-(pairs * splits // warps) // slots)
+        cost = waves * (per + SPLIT_COST_STEPS)
+        if best is None or cost < best[0]:
+            best = (cost, splits, per)
+    return best[1], best[2]
 
 
 def supports(q_shape, q_dtype, pool: KiviPool, bits: int, group_size: int) -> str | None:
