@@ -17,6 +17,10 @@ commands (a budget sweep, an older checkout) can be compared token for token.
     python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --gen 1 --max-batch-tokens 4096 16384
     python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --gen 1 --runs 2 --trace
     python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --gen 256 --runs 2 --warm-up
+    python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --gen 256 --runs 2 --warm-up --shapes
+
+``--shapes`` sorts each run's steps by whether they met a prefill or decode shape
+new to the process (what compiles cost) and lists the first run's slowest such steps.
 
 ``--ceiling`` also times the bare model (mlx-lm, no cache) over the same
 prompts in right-padded forwards of the same budget: what the matmuls and the
@@ -55,7 +59,66 @@ def make_prompts(run: int, n: int, tokens: int, vocab: int) -> list[list[int]]:
     return [rng.integers(10, vocab, size=int(m)).tolist() for m in lengths]
 
 
-def run_engine(engine, prompts: list[list[int]], gen: int) -> dict:
+class ShapeLog:
+    """The shapes each engine step ran (prefill rows x width, decode batch x table
+    columns), and the wall time of steps that met a shape for the first time in the
+    process (compiles: cuDNN graphs, traces, kernels) against steps of known shapes."""
+
+    def __init__(self, engine, seen: set):
+        self.seen = seen  # shapes met in this process (cuDNN graphs are per process)
+        self.step_keys: list = []
+        self.new = {"prefill": [0, 0.0], "decode": [0, 0.0], "known": [0, 0.0]}
+        self.first_seen: list = []  # (key, seconds) of this run's new shapes
+        runner, store = engine.runner, engine.runner.store
+        prefill_first, decode, prefill = runner.prefill_first, runner.decode, runner.prefill
+        begin_decode, widths = store.begin_decode, []
+
+        def logged_begin(*a, **kw):
+            batch = begin_decode(*a, **kw)
+            widths.append(batch.block_tables.shape[1])
+            return batch
+
+        def logged_first(seqs, chunks):
+            m = runner.prefill_width_multiple
+            self.step_keys.append(("prefill", len(chunks), -(-max(map(len, chunks)) // m) * m))
+            return prefill_first(seqs, chunks)
+
+        def logged_decode(seqs, tokens):
+            widths.clear()
+            out = decode(seqs, tokens)
+            self.step_keys.append(("decode", len(seqs), widths[-1] if widths else 0))
+            return out
+
+        def logged_prefill(seq, tokens):
+            self.step_keys.append(("chunk", 1, len(tokens)))
+            return prefill(seq, tokens)
+
+        runner.prefill_first, runner.decode, runner.prefill = logged_first, logged_decode, logged_prefill
+        store.begin_decode = logged_begin
+
+    def start_run(self) -> None:
+        self.seen.update(self.step_keys)  # steps outside a run (a warm-up) are known shapes
+        self.step_keys = []
+        self.new = {"prefill": [0, 0.0], "decode": [0, 0.0], "known": [0, 0.0]}
+        self.first_seen = []
+
+    def step_done(self, seconds: float) -> None:
+        keys, self.step_keys = self.step_keys, []
+        fresh = [k for k in keys if k not in self.seen]
+        self.seen.update(keys)
+        kind = "known" if not fresh else "decode" if all(k[0] == "decode" for k in fresh) else "prefill"
+        self.new[kind][0] += 1
+        self.new[kind][1] += seconds
+        if fresh:
+            self.first_seen.append((fresh, seconds))
+
+    def summary(self) -> str:
+        p, d, k = (self.new[x] for x in ("prefill", "decode", "known"))
+        return (f"{p[0]} steps with new prefill shapes {p[1]:.2f} s, {d[0]} with new decode shapes "
+                f"{d[1]:.2f} s, {k[0]} of known shapes {k[1]:.2f} s")
+
+
+def run_engine(engine, prompts: list[list[int]], gen: int, shapes: ShapeLog | None = None) -> dict:
     """Add every prompt at once and step until all are done; times the phases."""
     mx.synchronize()
     start = time.perf_counter()
@@ -64,9 +127,15 @@ def run_engine(engine, prompts: list[list[int]], gen: int) -> dict:
     tokens = {str(i): [] for i in range(len(prompts))}
     last: dict[str, float] = {}
     first_all, gaps_burst, gaps = None, [], []
+    if shapes:
+        shapes.start_run()
+    before = start
     while engine.has_work():
         events = engine.step()
         now = time.perf_counter()
+        if shapes:
+            shapes.step_done(now - before)
+        before = now
         prefilling = bool(engine.scheduler.waiting or engine.scheduler.prefilling)
         for ev in events:
             if ev.finish_reason == "error":
@@ -127,18 +196,22 @@ def main() -> None:
     p.add_argument("--ceiling", action="store_true", help="also time the bare model over the same prompts")
     p.add_argument("--trace", action="store_true", help="trace the last run's device ops (CUDA, PyTorch)")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--shapes", action="store_true",
+                   help="per run: time in steps that met a new shape (compiles) against known ones, "
+                        "and the --top slowest new-shape steps of the first run")
     args = p.parse_args()
 
     print(f"# {command()}\n# {machine()}\n")
     model = random_model(args.shape, getattr(mx, args.dtype), None)
     vocab = SHAPES[args.shape]["vocab_size"]
-    rows, events = [], []
+    rows, events, seen = [], [], set()
     arms = [(budget, cap or None) for budget in args.max_batch_tokens for cap in args.prefill_while_decoding]
     for arm, (budget, cap) in enumerate(arms):
         options = {} if budget is None else {"max_batch_tokens": budget}
         engine = build_engine(model, IdTokenizer(), kv_bits=args.bits, max_sequences=args.requests,
                               prefill_while_decoding=cap, **options)
         budget = engine.scheduler.max_batch_tokens
+        shapes = ShapeLog(engine, seen) if args.shapes else None
         if args.warm_up and not arm:  # what it compiles serves the later engines too
             from kiviq.engine.warmup import warm_up
 
@@ -147,7 +220,7 @@ def main() -> None:
             prompts = make_prompts(run, args.requests, args.prompt_tokens, vocab)
             traced = args.trace and run == args.runs - 1
             with device_trace() if traced else contextlib.nullcontext([]) as ev:
-                r = run_engine(engine, prompts, args.gen)
+                r = run_engine(engine, prompts, args.gen, shapes)
             events = ev or events
             # Compiled shapes stay with the process: only its first run is cold.
             state = "warm" if run or arm else "after warm-up" if args.warm_up else "cold"
@@ -157,6 +230,11 @@ def main() -> None:
                          f"{pct(r['itl_burst'], 50)} / {pct(r['itl_burst'], 99)}",
                          f"{pct(r['itl'], 50)} / {pct(r['itl'], 99)}", r["digest"]])
             print(table(COLUMNS, rows[-1:]), flush=True)
+            if shapes:
+                print(f"shapes, run {run}: {shapes.summary()}")
+                for keys, seconds in sorted(shapes.first_seen, key=lambda x: -x[1])[:args.top if not run else 0]:
+                    print(f"  {seconds * 1e3:8.1f} ms  {' '.join(f'{k}{r}x{w}' for k, r, w in keys)}")
+                print(flush=True)
         del engine
     print(f"\n{args.requests} requests x ~{args.prompt_tokens} prompt tokens x {args.gen} new, "
           f"{args.shape} {args.dtype}, KIVI {args.bits}-bit\n")

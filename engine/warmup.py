@@ -6,7 +6,8 @@ step per (batch, table width). A bulk run right after a worker starts paid for
 all of that in its first seconds (measured: all first tokens after 19.6 s cold
 against 4.3 s warm on an H200). ``warm_up`` runs requests of random tokens that
 take every path a real run takes -- batched first-chunk prefill with flushes,
-a later chunk attending to its past, plain, traced and replayed decode steps at
+on a GPU a prefill step as wide as the step budget, a later chunk attending to
+its past, plain, traced and replayed decode steps at
 a few batch sizes, sampling with and without logprobs -- then frees everything
 and zeroes the engine's counters, so the worker's metrics see only real work.
 """
@@ -21,8 +22,10 @@ import mlx.core as mx
 
 from kiviq.engine.model_runner import PREFILL_WIDTH_MULTIPLE
 from kiviq.engine.request import Request, SamplingParams
+from kiviq.engine.setup import context_length
 
 DECODE_STEPS = 6  # enough for a plain step, a trace and replays at each batch size
+FULL_STEP_CHUNK = 1024  # prompt tokens per row of the warm-up's full-budget prefill step
 
 
 def _prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
@@ -51,8 +54,18 @@ def warm_up(engine: Any, vocab_size: int, *, batch_sizes: tuple[int, ...] = (1, 
             engine.add(Request(f"warm-up-{n}", _prompt(rng, vocab_size, width - i), DECODE_STEPS + 2, sampling))
             n += 1
         _drain(engine)
-    if budget < 4 * width and capacity >= 1:  # a prompt longer than a step: a later chunk with a past
-        engine.add(Request(f"warm-up-{n}", _prompt(rng, vocab_size, budget + flushing), 2))
+    wide = engine.runner.prefill_width_multiple > 1  # a GPU: attention graphs and kernels per shape
+    if wide and budget > width and capacity >= 1:
+        # What a bulk burst meets first: a step of first chunks filling the budget
+        # (its matmuls and attention at full size).
+        chunk = min(budget, FULL_STEP_CHUNK)
+        for i in range(min(capacity, budget // chunk)):
+            engine.add(Request(f"warm-up-{n}", _prompt(rng, vocab_size, chunk - i), 2))
+            n += 1
+        _drain(engine)
+    long = budget + flushing  # a prompt longer than a step: a later chunk with a past
+    if (budget < 4 * width or wide) and capacity >= 1 and long < context_length(engine.runner.model):
+        engine.add(Request(f"warm-up-{n}", _prompt(rng, vocab_size, long), 2))
         _drain(engine)
     mx.synchronize()
     for key in engine.stats:
