@@ -41,6 +41,11 @@ copy of this script, so it needs one that writes ``--summary-json``, d3f22a7 on)
 
     python3 benchmarks/step_trace.py --batch 32 --warmup 60 --steps 32 \
         --arm kiviq,compile=1,pipeline=1,table=32 --processes 4 --tree before=20b8689 --tree after=.
+
+Each process is also listed on its own: its median step, the CPU time of the whole
+process per step (every thread: the host's work), its decode steps run plain,
+replayed compiled and traced, and with ``--trace`` the device's busy time per step
+(under the profiler): whether a slow process waits on the host or on the GPU.
 """
 
 from __future__ import annotations
@@ -111,6 +116,7 @@ class Arm:
         self.times: list[float] = []
         self.flushed: list[bool] = []  # per timed step: did a tail flush in it
         self.growth: list[int] = []  # per timed step: bytes its peak rose above the memory active at its start
+        self.cpu: list[float] = []  # per timed step: CPU seconds of the whole process (all its threads)
         self.history: list[list[int]] = []
 
     def build(self, args, model, prompts) -> None:
@@ -143,14 +149,25 @@ class Arm:
                 # step's growth also holds the overlap of two steps' working memory.
                 base = mx.get_active_memory()
                 mx.reset_peak_memory()
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 self._step()
                 if not self.pipelined:
                     mx.synchronize()
                 self.times.append(time.perf_counter() - t0)
+                self.cpu.append(time.process_time() - c0)
                 self.growth.append(mx.get_peak_memory() - base)
                 self.flushed.append(len(self.flushes) > flushes)
             mx.synchronize()
+
+    def summary(self) -> dict:
+        """What ``--summary-json`` keeps of this arm (one process of ``--processes``)."""
+        out = {"median_ms": statistics.median(self.times) * 1e3,
+               "cpu_ms": statistics.median(self.cpu) * 1e3,
+               "digest": hashlib.sha1(repr(self.history).encode()).hexdigest()[:10]}
+        compiled = getattr(getattr(getattr(self._step, "engine", None), "runner", None), "compiled", None)
+        if compiled is not None:  # counts since the engine was built (warm-up included)
+            out["decode_steps"] = dict(compiled.stats)
+        return out
 
     @property
     def label(self) -> str:
@@ -200,6 +217,7 @@ def engine_steps(args, model, prompts, flushes: list[int], history: list[list[in
         state["timing"] = True
         step()
         state["timing"] = False
+    timed.engine = engine  # the arm's summary reads its compiled-step counts
     return timed
 
 
@@ -340,6 +358,20 @@ def across_processes(args) -> None:
     print(f"\n{args.processes} fresh processes per tree, trees interleaved\n")
     print(table(["tree", "arm", "median step ms per process", "min / median / max", "slowest / fastest",
                  "tokens (every tree)"], rows))
+    # Per process: where a slow process's time goes. CPU ms per step counts every
+    # thread of the process (the host's work); device busy (with --trace) is the GPU's.
+    rows = []
+    for name, runs in results.items():
+        for i, r in enumerate(runs):
+            for label, a in r.items():
+                steps = a.get("decode_steps", {})
+                rows.append([name, i, label, f"{a['median_ms']:.2f}", f"{a['cpu_ms']:.2f}" if "cpu_ms" in a else "-",
+                             f"{a['device_busy_ms']:.2f}" if "device_busy_ms" in a else "-",
+                             " ".join(f"{k} {v}" for k, v in steps.items()) or "-"])
+    print("\nper process: median step, the process's CPU time per step (all threads), device busy per step "
+          "(--trace), decode steps plain / compiled / traced since the engine was built\n")
+    print(table(["tree", "process", "arm", "median step ms", "CPU ms / step", "device busy ms / step",
+                 "decode steps"], rows))
 
 
 def main() -> None:
@@ -377,8 +409,8 @@ def main() -> None:
     if args.trees and args.processes < 1:
         raise SystemExit("--tree needs --processes N")
     if args.processes > 1 or args.trees:
-        if args.trace or args.host_profile:
-            raise SystemExit("--processes times steps; trace or profile one process")
+        if args.host_profile:
+            raise SystemExit("--processes times steps; profile the host in one process")
         return across_processes(args)
     arms = [Arm(spec, args) for spec in (args.arms or ["kiviq"])]
     if (args.trace or args.host_profile) and (len(arms) > 1 or args.rounds > 1):
@@ -402,10 +434,16 @@ def main() -> None:
             host.disable()
     report(arms, args)
     if args.summary_json:
+        summary = {arm.label: arm.summary() for arm in arms}
+        if args.trace:
+            from benchmarks.trace_summary import busy_time
+
+            device = [e for e in events if e.get("cat") in DEVICE_EVENTS]
+            busy = busy_time([(e["ts"], e["ts"] + e["dur"]) for e in device]) / 1e3 / args.steps
+            for arm_summary in summary.values():
+                arm_summary["device_busy_ms"] = busy
         with open(args.summary_json, "w") as f:
-            json.dump({arm.label: {"median_ms": statistics.median(arm.times) * 1e3,
-                                   "digest": hashlib.sha1(repr(arm.history).encode()).hexdigest()[:10]}
-                       for arm in arms}, f)
+            json.dump(summary, f)
     if host is not None:
         print_host_profile(host, args.steps, args.top)
     if not args.trace:

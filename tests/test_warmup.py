@@ -44,7 +44,7 @@ def test_warm_up_on_a_gpu_also_meets_a_full_step_and_a_later_chunk(smollm2):
     than a step (a later chunk attending to its past): the shapes a bulk burst meets
     first. The runner's padding is set by hand here, on the CPU."""
     model, tok = smollm2
-    engine = make_engine(model, tok, max_batch_tokens=1024)  # 4x the small steps' width
+    engine = make_engine(model, tok, max_batch_tokens=512)  # 4x the small steps' width
     engine.runner.prefill_width_multiple = 64
     runner, firsts, chunks = engine.runner, [], []
     prefill_first, prefill = runner.prefill_first, runner.prefill
@@ -59,6 +59,6 @@ def test_warm_up_on_a_gpu_also_meets_a_full_step_and_a_later_chunk(smollm2):
 
     runner.prefill_first, runner.prefill = logged_first, logged_chunk
     warm_up(engine, model.args.vocab_size, batch_sizes=(1,))
-    assert max(firsts) == 1024  # one step of first chunks filled the budget
+    assert max(firsts) == 512  # one step of first chunks filled the budget
     assert chunks  # and a later chunk attended to a past
     assert not engine.has_work() and engine.kv_store.blocks.free_blocks == engine.kv_store.blocks.num_blocks
