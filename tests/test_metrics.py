@@ -16,7 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiviq.jobs.keys import worker_stats_key
-from kiviq.worker.metrics import WorkerMetrics, quantile, serve_metrics
+from kiviq.worker.metrics import WorkerMetrics, quantile
+from kiviq.worker.metrics_http import serve_metrics
 from kiviq.worker.stats import StatsPublisher
 
 MODEL = "test-model"

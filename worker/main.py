@@ -8,7 +8,8 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from kiviq.jobs.settings import redact_url, redis_url_from_env
-from kiviq.worker.metrics import WorkerMetrics, serve_metrics
+from kiviq.worker.metrics import WorkerMetrics
+from kiviq.worker.metrics_http import serve_metrics
 from kiviq.worker.service import BatchWorker
 from kiviq.worker.stats import StatsPublisher
 

@@ -9,7 +9,7 @@ a job is taken from its queue (before it is validated, so every job that
 ends was admitted first), ``first_token`` / ``tokens`` per step event,
 ``observe_engine_step`` after each step, ``job_finished`` (outcome finished,
 failed, cancelled or timeout) and ``job_requeued``. ``run_worker`` serves
-the registry (``serve_metrics``) and publishes snapshots for ``kiviq top``
+the registry (``worker.metrics_http.serve_metrics``) and publishes snapshots for ``kiviq top``
 (``worker.stats.StatsPublisher``). All calls are cheap and thread-safe.
 
 Times are seconds. ``tokens`` and ``job_finished`` never double count
@@ -23,20 +23,17 @@ Every ``kiviq:`` series carries ``model_name``; the names follow vLLM's.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import socket
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector,
-                               disable_created_metrics, generate_latest, make_wsgi_app)
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, ThreadingWSGIServer
+                               disable_created_metrics, generate_latest)
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 # No ``*_created`` series (a process-wide switch of the library): in the text
 # format each would be one more gauge family per counter and histogram.
@@ -454,50 +451,3 @@ class WorkerMetrics:
             "e2e_avg_s": mean(self.e2e),
             "queue_time_avg_s": mean(self.queue_time),
         }
-
-
-# ---- HTTP endpoint -------------------------------------------------------------
-
-def make_app(metrics: WorkerMetrics) -> Callable:
-    """WSGI app: ``/snapshot`` (or ``/snapshot.json``) is ``metrics.snapshot()``
-    as JSON; every other path is the library's ``make_wsgi_app`` (Prometheus
-    text, OpenMetrics and gzip negotiated from the request headers)."""
-    prometheus = make_wsgi_app(metrics.registry)
-
-    def app(environ: dict, start_response: Callable) -> Any:
-        if environ.get("PATH_INFO", "").rstrip("/") in ("/snapshot", "/snapshot.json"):
-            body = json.dumps(metrics.snapshot()).encode()
-            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
-            return [body]
-        return prometheus(environ, start_response)
-
-    return app
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        log.debug("metrics http: " + format, *args)
-
-
-def serve_metrics(metrics: WorkerMetrics, port: int, host: str = "127.0.0.1") -> Any:
-    """Serve ``make_app(metrics)`` with the library's ``ThreadingWSGIServer``
-    from a daemon thread (what ``prometheus_client.start_http_server`` does,
-    plus ``/snapshot``): ``/metrics`` is the registry.
-
-    ``port`` 0 picks a free one: read it back from ``server.server_address[1]``.
-    Stop with ``server.shutdown(); server.server_close()``.
-    """
-    server_class = type("KiviqMetricsServer", (ThreadingWSGIServer,),
-                        {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})
-    server = make_server(host, port, make_app(metrics), server_class, handler_class=_QuietHandler)
-    threading.Thread(target=server.serve_forever, name="kiviq-metrics-http", daemon=True).start()
-    log.info("metrics on http://%s:%d/metrics", host, server.server_address[1])
-    return server
-
-
-def __getattr__(name: str) -> Any:  # StatsPublisher moved to worker/stats.py; old imports keep working
-    if name == "StatsPublisher":
-        from kiviq.worker.stats import StatsPublisher
-
-        return StatsPublisher
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
