@@ -20,7 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kiviq.client.client import Client
 from kiviq.client.errors import QueueFull
-from kiviq.client.local_redis import ensure_redis
+from kiviq.client.local_redis import ensure_redis, start_redis
 from kiviq.client.streaming import JobFailed
 from kiviq.jobs.cli_help import HelpFormatter
 from kiviq.jobs.keys import queue_name
@@ -151,7 +151,12 @@ def cmd_bulk(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    url, stop_redis, kind = ensure_redis(redis_url_from_env(args.redis_url))
+    # A Redis the user names (--redis-url, $REDIS_URL); else one of the demo's own: a
+    # server that merely answers on the default port may hold someone's data.
+    if args.redis_url_named:
+        url, stop_redis, kind = ensure_redis(args.redis_url)
+    else:
+        url, stop_redis, kind = start_redis()
     print(f"[kiviq] Redis: {kind}", flush=True)
     worker_cmd = [sys.executable, "-m", "kiviq.worker", "--redis-url", url, "--log-level", "WARNING"]
     if args.model:
@@ -285,8 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = add("demo", help="start Redis (if needed) and a worker, run a few prompts")
     d.add_argument("--model", default=None,
                    help="model the worker loads: local dir, GGUF file or HF repo id (default: SmolLM2-135M-Instruct)")
-    d.add_argument("--redis-url", default=None, help="Redis to use (default: $REDIS_URL or "
-                   f"{DEFAULT_REDIS_URL}; when none answers, one of the demo's own on a free port)")
+    d.add_argument("--redis-url", default=None, help="Redis to use (default: $REDIS_URL; when none is "
+                   "named or none answers there, one of the demo's own on a free port)")
     d.add_argument("--max-tokens", type=int, default=64, help="most tokens per answer")
     d.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each answer")
     d.set_defaults(func=cmd_demo)
@@ -327,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if hasattr(args, "redis_url"):
+            args.redis_url_named = bool(args.redis_url or os.environ.get("REDIS_URL"))  # the demo asks
             args.redis_url = _redis_url(args)
         return args.func(args)
     except KeyboardInterrupt:

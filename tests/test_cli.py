@@ -315,3 +315,27 @@ def test_worker_crash_keeps_its_traceback(dead_url):
     proc = run_process("-c", CRASH_WHILE_SERVING, "--redis-url", dead_url)
     assert proc.returncode == 1 and "Traceback (most recent call last)" in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "kiviq worker: error: KeyError: 'boom'"
+
+
+def test_demo_starts_its_own_redis_unless_one_is_named(monkeypatch, capsys):
+    """Without --redis-url or $REDIS_URL the demo never uses a server that merely
+    answers on the default port (someone's data may live there)."""
+    import kiviq.client.cli as cli
+
+    calls = []
+
+    def fake(name):
+        def record(*a):
+            calls.append((name, *a))
+            raise RuntimeError("stopped here")
+        return record
+
+    monkeypatch.setattr(cli, "start_redis", fake("start"))
+    monkeypatch.setattr(cli, "ensure_redis", fake("ensure"))
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    assert main(["demo"]) == 1
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
+    assert main(["demo"]) == 1
+    assert main(["demo", "--redis-url", "redis://127.0.0.1:2/0"]) == 1
+    assert calls == [("start",), ("ensure", "redis://127.0.0.1:1/0"), ("ensure", "redis://127.0.0.1:2/0")]
+    assert capsys.readouterr().err.count("kiviq: error: stopped here") == 3
