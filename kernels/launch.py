@@ -12,6 +12,8 @@ never recompiles a kernel.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from kiviq.kernels.cuda_device import num_sms
@@ -91,6 +93,7 @@ def _occupancy_plan(pairs: int, steps: int, sms: int, warps: int) -> tuple[int, 
     return splits, per
 
 
+@functools.lru_cache(maxsize=1024)  # a search of up to ~250 counts (65 us): once per shape, not per step
 def _wave_plan(pairs: int, steps: int, sms: int, warps: int) -> tuple[int, int]:
     """(splits, steps per split) whose thread blocks finish soonest if RESIDENT_WARPS
     warps per SM run at once: waves x (steps per split + SPLIT_COST_STEPS), ties to
