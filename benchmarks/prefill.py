@@ -70,18 +70,17 @@ class ShapeLog:
         self.new = {"prefill": [0, 0.0], "decode": [0, 0.0], "known": [0, 0.0]}
         self.first_seen: list = []  # (key, seconds) of this run's new shapes
         runner, store = engine.runner, engine.runner.store
-        prefill_first, decode, prefill = runner.prefill_first, runner.decode, runner.prefill
-        begin_decode, widths = store.begin_decode, []
+        decode, prefill = runner.decode, runner.prefill
+        begin_decode, begin_prefill, widths = store.begin_decode, store.begin_prefill, []
 
         def logged_begin(*a, **kw):
             batch = begin_decode(*a, **kw)
             widths.append(batch.block_tables.shape[1])
             return batch
 
-        def logged_first(seqs, chunks):
-            m = runner.prefill_width_multiple
-            self.step_keys.append(("prefill", len(chunks), -(-max(map(len, chunks)) // m) * m))
-            return prefill_first(seqs, chunks)
+        def logged_begin_prefill(seqs, lengths, width):  # first chunks, padded to width
+            self.step_keys.append(("prefill", len(seqs), width))
+            return begin_prefill(seqs, lengths, width)
 
         def logged_decode(seqs, tokens):
             widths.clear()
@@ -93,8 +92,8 @@ class ShapeLog:
             self.step_keys.append(("chunk", 1, len(tokens)))
             return prefill(seq, tokens)
 
-        runner.prefill_first, runner.decode, runner.prefill = logged_first, logged_decode, logged_prefill
-        store.begin_decode = logged_begin
+        runner.decode, runner.prefill = logged_decode, logged_prefill
+        store.begin_decode, store.begin_prefill = logged_begin, logged_begin_prefill
 
     def start_run(self) -> None:
         self.seen.update(self.step_keys)  # steps outside a run (a warm-up) are known shapes

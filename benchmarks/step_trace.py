@@ -162,12 +162,16 @@ class Arm:
     def summary(self) -> dict:
         """What ``--summary-json`` keeps of this arm (one process of ``--processes``)."""
         out = {"median_ms": statistics.median(self.times) * 1e3,
-               "cpu_ms": statistics.median(self.cpu) * 1e3,
-               "digest": hashlib.sha1(repr(self.history).encode()).hexdigest()[:10]}
-        compiled = getattr(getattr(getattr(self._step, "engine", None), "runner", None), "compiled", None)
-        if compiled is not None:  # counts since the engine was built (warm-up included)
-            out["decode_steps"] = dict(compiled.stats)
+               "cpu_ms": statistics.median(self.cpu) * 1e3, "digest": self.digest}
+        engine = getattr(self._step, "engine", None)  # kiviq arms only
+        if engine is not None and engine.runner.compiled is not None:
+            out["decode_steps"] = dict(engine.runner.compiled.stats)  # since the engine was built
         return out
+
+    @property
+    def digest(self) -> str:
+        """Of every sequence's tokens: equal digests, equal tokens."""
+        return hashlib.sha1(repr(self.history).encode()).hexdigest()[:10]
 
     @property
     def label(self) -> str:
@@ -291,12 +295,11 @@ def report(arms: list[Arm], args) -> None:
         mean = statistics.fmean(ms)
         pairs = [(a, b) for mine, first in zip(arm.history, arms[0].history) for a, b in zip(mine, first)]
         same = sum(a == b for a, b in pairs)
-        digest = hashlib.sha1(repr(arm.history).encode()).hexdigest()[:10]
         flushed = (f"{len(arm.flushes)} ({sum(arm.flushes)} tails)" if arm.name == "kiviq" else "-")
         split = _flushing_and_other([t * 1e3 for t in arm.times], arm.flushed, statistics.fmean, "{:.2f}")
         growth = _flushing_and_other([g / 2**20 for g in arm.growth], arm.flushed, max, "{:.0f}")
         rows.append([arm.label, len(ms), f"{ms[0]:.2f} / {statistics.median(ms):.2f} / {mean:.2f} / {ms[-1]:.2f}",
-                     f"{args.batch / mean * 1e3:.0f}", flushed, split, growth, f"{same} / {len(pairs)}", digest])
+                     f"{args.batch / mean * 1e3:.0f}", flushed, split, growth, f"{same} / {len(pairs)}", arm.digest])
     weights = f"{args.quantize}-bit weights" if args.quantize else "unquantized weights"
     print(f"{args.shape}, {args.dtype}, {weights}, B={args.batch}, context {args.context}, {args.rounds} round(s) of "
           f"{args.steps} steps per arm, arms interleaved (first arm rotating)\n")
