@@ -34,11 +34,8 @@ from kiviq.kernels import (
     check_layout,
     dequantize_key_blocks,
     dequantize_value_blocks,
-    quantize_key_blocks,
-    quantize_value_blocks,
-    tokens_to_blocks,
 )
-from kiviq.kernels.dispatch import attend_plan, flush_layers, writes_tail
+from kiviq.kernels.dispatch import attend_plan, flush_layers, write_blocks, writes_tail
 from kiviq.kernels.rotation import check_rotation, hadamard_rotate
 
 __all__ = ["DecodeBatch", "KVConfig", "KiviStore", "OutOfKVMemory", "PrefillBatch", "SequenceKV"]
@@ -83,7 +80,7 @@ class PrefillBatch:
     seqs: list[SequenceKV]
     lengths: list[int]  # real tokens per row
     width: int  # L
-    block_src: mx.array | None  # [N * G]: the tokens of the N new blocks, block by block
+    block_first: mx.array | None  # [N]: the first token of each of the N new blocks
     block_ids: mx.array | None  # [N]: their pool blocks
     tail_src: mx.array | None  # [M]: the tokens that stay in a tail
     tail_slot: mx.array | None  # [M, 1]
@@ -132,6 +129,7 @@ class KiviStore:
             self.pools.append(pool)
         mx.eval(self.pools)
         p0 = self.pools[0]
+        self._unrun_writes: list[mx.array] = []  # see pending()
         self.blocks = BlockManager(
             num_blocks, num_slots, num_layers=num_layers, group_size=config.group_size,
             residual=config.residual, flush_blocks=config.flush_blocks,
@@ -162,16 +160,41 @@ class KiviStore:
 
     # ---- writes ----------------------------------------------------------
 
-    def _write_blocks(self, pool: KiviPool, ids: list[int] | mx.array, k: mx.array, v: mx.array) -> None:
-        """Quantize full blocks k, v [N, H_kv, G, D] into pool blocks ``ids``."""
-        sd = pool.k_scales.dtype
+    def _write_blocks(self, pool: KiviPool, ids: list[int] | mx.array, keys: mx.array, values: mx.array,
+                      first: mx.array) -> None:
+        """Quantize the G-token blocks of keys, values [B, H_kv, L, D] that start at
+        tokens ``first`` (row * L + position) into pool blocks ``ids``
+        (`dispatch.write_blocks`); an in-place launch waits in ``_unrun_writes``."""
         idx = ids if isinstance(ids, mx.array) else mx.array(ids, dtype=mx.int32)
-        for names, quantized in (
-            (("k_codes", "k_scales", "k_zeros"), quantize_key_blocks(k, bits=self.config.bits, scale_dtype=sd)),
-            (("v_codes", "v_scales", "v_zeros"), quantize_value_blocks(v, bits=self.config.bits, scale_dtype=sd)),
-        ):
-            for name, arr in zip(names, quantized):
-                getattr(pool, name)[idx] = arr
+        done = write_blocks(pool, keys, values, first, idx, bits=self.config.bits, group_size=self.config.group_size,
+                            use_kernel=self.use_kernel)
+        if done is not None:
+            self._unrun_writes.append(done)
+
+    def pending(self) -> list:
+        """What a forward's caller evaluates so that the pools hold all it wrote: the
+        pools (their scatters) and the in-place block writes (`dispatch.write_blocks`),
+        which no graph node reads."""
+        writes, self._unrun_writes = self._unrun_writes, []
+        return [self.pools, writes]
+
+    def _run_writes(self) -> None:
+        """Run in-place block writes nobody evaluated yet, before a read of the blocks
+        (the engine's runner evaluates them with each forward: then this is free)."""
+        if self._unrun_writes:
+            mx.eval(self._unrun_writes)
+            self._unrun_writes = []
+
+    @contextlib.contextmanager
+    def forward_writes(self):
+        """Around building a forward that writes the pools: if it fails, its in-place
+        block writes are dropped unrun (their blocks are released, and run later they
+        could land after a new owner's)."""
+        try:
+            yield
+        except BaseException:
+            self._unrun_writes = []
+            raise
 
     def append(self, layer: int, seq: SequenceKV, k: mx.array, v: mx.array) -> None:
         """Commit new tokens k, v [H_kv, L, D] of one sequence to ``layer``.
@@ -199,7 +222,7 @@ class KiviStore:
         first = seq.blocks_used[layer]
         ids = [self.blocks.block(seq, first + i) for i in range(n_flush)]
         cut = n_flush * g
-        self._write_blocks(pool, ids, tokens_to_blocks(all_k[:, :cut], g), tokens_to_blocks(all_v[:, :cut], g))
+        self._write_blocks(pool, ids, all_k[None], all_v[None], mx.arange(0, cut, g, dtype=mx.int32))
         pool.tail_k[seq.slot, :, : total - cut] = all_k[:, cut:]
         pool.tail_v[seq.slot, :, : total - cut] = all_v[:, cut:]
         seq.blocks_used[layer] = first + n_flush
@@ -219,12 +242,12 @@ class KiviStore:
         if any(s.offset(0, g) for s in seqs):
             raise ValueError("begin_prefill takes first chunks of new sequences")
         self._settle()
-        block_src, block_ids, tail_src, tail_slot, tail_pos = [], [], [], [], []
+        block_first, block_ids, tail_src, tail_slot, tail_pos = [], [], [], [], []
         for row, (seq, n) in enumerate(zip(seqs, lengths)):
             nb = self.blocks.blocks_needed(n)
             base = row * width
             block_ids += [self.blocks.block(seq, j) for j in range(nb)]
-            block_src += range(base, base + nb * g)
+            block_first += range(base, base + nb * g, g)
             tail_src += range(base + nb * g, base + n)
             tail_slot += [seq.slot] * (n - nb * g)
             tail_pos += range(n - nb * g)
@@ -236,25 +259,20 @@ class KiviStore:
             a = mx.array(values, dtype=mx.int32)
             return a[:, None] if column else a
 
-        return PrefillBatch(seqs, list(lengths), width, ints(block_src), ints(block_ids), ints(tail_src),
+        return PrefillBatch(seqs, list(lengths), width, ints(block_first), ints(block_ids), ints(tail_src),
                             ints(tail_slot, True), ints(tail_pos, True))
 
     def write_prefill(self, layer: int, batch: PrefillBatch, k: mx.array, v: mx.array) -> None:
         """Commit one layer's keys and values of a prefill forward, k, v
-        [B, H_kv, L, D] as the model made them, by ``batch``'s indices: one
-        gather and one quantization for all new blocks, one scatter per pool
-        array."""
-        pool, g = self.pools[layer], self.config.group_size
+        [B, H_kv, L, D] as the model made them, by ``batch``'s indices: all new
+        blocks in one write (`_write_blocks`), one scatter per tail."""
+        pool = self.pools[layer]
         h, d = k.shape[1], k.shape[3]
+        if batch.block_ids is not None:
+            self._write_blocks(pool, batch.block_ids, k, v, batch.block_first)
         # Token-major rows [B * L, H_kv, D], so a token is one index.
         k_rows = mx.swapaxes(k, 1, 2).reshape(-1, h, d)
         v_rows = mx.swapaxes(v, 1, 2).reshape(-1, h, d)
-        if batch.block_ids is not None:
-            n = batch.block_ids.shape[0]
-            # [N * G, H, D] -> [N, H, G, D], the blocks as quantize_*_blocks take them.
-            kb = mx.swapaxes(k_rows[batch.block_src].reshape(n, g, h, d), 1, 2).astype(pool.tail_k.dtype)
-            vb = mx.swapaxes(v_rows[batch.block_src].reshape(n, g, h, d), 1, 2).astype(pool.tail_v.dtype)
-            self._write_blocks(pool, batch.block_ids, kb, vb)
         if batch.tail_src is not None:
             heads = mx.arange(h, dtype=mx.int32)[None]
             index = (batch.tail_slot, heads, batch.tail_pos)
@@ -282,6 +300,7 @@ class KiviStore:
         """
         g, r, kb = self.config.group_size, self.config.residual, self.config.flush_blocks
         n = self.num_layers
+        self._run_writes()
         first = 0 if layer is None else layer
         before = [(s.tail_lens[first], s.blocks_used[first]) for s in seqs]
         if layer is None:
@@ -393,6 +412,7 @@ class KiviStore:
     def dense_past(self, layer: int, seq: SequenceKV) -> tuple[mx.array, mx.array]:
         """The sequence's committed K and V in ``layer`` as [H_kv, S, D] (blocks
         dequantized, then the tail), for prefill attention."""
+        self._run_writes()
         pool = self.pools[layer]
         t, nb = seq.tail_lens[layer], seq.blocks_used[layer]
         tail_k, tail_v = pool.tail_k[seq.slot, :, :t], pool.tail_v[seq.slot, :, :t]

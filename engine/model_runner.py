@@ -59,7 +59,7 @@ class ModelRunner:
             [V] logits after the chunk's last token.
         """
         caches = [KiviLayerCache(self.store, layer, [seq]) for layer in range(self.store.num_layers)]
-        with self.attention:
+        with self.store.forward_writes(), self.attention:
             hidden = self.trunk(mx.array(tokens)[None], caches)
         return self.head(hidden[0, -1:])[0]
 
@@ -77,7 +77,7 @@ class ModelRunner:
         batch = self.store.begin_prefill(seqs, lengths, width)
         tokens = mx.array([c + [0] * (width - len(c)) for c in chunks])
         caches = [KiviLayerCache(self.store, layer, seqs, prefill=batch) for layer in range(self.store.num_layers)]
-        with self.attention:
+        with self.store.forward_writes(), self.attention:
             hidden = self.trunk(tokens, caches)
         last = hidden[mx.arange(len(chunks)), mx.array(lengths) - 1]
         return self.head(last)
@@ -122,9 +122,9 @@ class ModelRunner:
     def launch(self, *arrays: mx.array) -> None:
         """Start evaluating outputs and every pending pool write, without waiting
         (a pipelined decode step; the next step's graph is built meanwhile)."""
-        mx.async_eval(*arrays, self.store.pools)
+        mx.async_eval(*arrays, self.store.pending())
 
     def settle(self, *arrays: mx.array) -> None:
-        """Evaluate outputs and every pending pool write, so the next step's
-        writes find no pending reader (and update the pool in place)."""
-        mx.eval(*arrays, self.store.pools)
+        """Evaluate outputs and every pending pool write (`KiviStore.pending`), so the
+        next step's writes find no pending reader (and update the pool in place)."""
+        mx.eval(*arrays, self.store.pending())

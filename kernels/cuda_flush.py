@@ -32,6 +32,9 @@ FLUSH_KERNEL = cuda_kernel("flush_quantize.cu", name="kivi_flush_quantize", inpu
 # ensure_row_contiguous off: MLX must pass the pool's own buffers, never a copy.
 FLUSH_FUSED_KERNEL = cuda_kernel("flush_fused.cu", name="kivi_flush_fused", input_names=FLUSH_FUSED_INPUTS,
                                  output_names=["done"], ensure_row_contiguous=False)
+WRITE_BLOCKS_KERNEL = cuda_kernel("write_blocks.cu", name="kivi_write_blocks",
+                                  input_names=[*POOL_NAMES[:6], "keys", "values", "first", "ids", "params"],
+                                  output_names=["done"], ensure_row_contiguous=False)
 
 
 def flush_prepare(pool: KiviPool, slots, new_block_ids, tail_lens, *, bits: int,
@@ -93,6 +96,25 @@ def fused_flush(pool: KiviPool, slots: mx.array, ids: mx.array, *, bits, group_s
         inputs=[*pool, slots, ids, params],
         template=flush_template(pool, bits=bits, group_size=group_size),
         grid=(f * h_kv * d, 1, 1), threadgroup=(d, 1, 1),
+        output_shapes=[(1,)], output_dtypes=[mx.int32])[0]
+
+
+def write_blocks(pool: KiviPool, keys: mx.array, values: mx.array, first: mx.array, ids: mx.array, *,
+                 bits: int, group_size: int) -> mx.array | None:
+    """`kivi_reference.write_blocks` in one in-place launch (write_blocks.cu says which
+    ordering the caller owns). Returns the launch's `done` array (evaluating it writes
+    the pool), or None when there is no block to write."""
+    n = ids.shape[0]
+    if n == 0:
+        return None
+    _, h_kv, length, d = keys.shape
+    # Row-contiguous in the tails' dtype (= the scales', flush_supports): MLX passes
+    # these buffers as they are, since the pool's own must not be copied.
+    keys, values = (mx.contiguous(x.astype(pool.tail_k.dtype)) for x in (keys, values))
+    return WRITE_BLOCKS_KERNEL(
+        inputs=[*pool[:6], keys, values, first, ids, const((length, h_kv), mx.int32)],
+        template=flush_template(pool, bits=bits, group_size=group_size),
+        grid=(n * h_kv * d, 1, 1), threadgroup=(d, 1, 1),
         output_shapes=[(1,)], output_dtypes=[mx.int32])[0]
 
 

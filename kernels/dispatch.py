@@ -17,6 +17,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from kiviq.kernels import cuda_attend, kivi_cuda, kivi_metal
+from kiviq.kernels import kivi_reference
 from kiviq.kernels.kivi_reference import check_flush_args, decode_attention, flush_tails, gather_flush_layers
 from kiviq.kernels.layout import KiviPool
 
@@ -197,5 +198,24 @@ def flush_layers(
                          wait=wait)
 
 
+def write_blocks(pool: KiviPool, keys: mx.array, values: mx.array, first: mx.array, ids: mx.array, *,
+                 bits: int, group_size: int = 32, use_kernel: bool | None = None) -> mx.array | None:
+    """Quantize G-token blocks of a forward's keys and values [B, H_kv, L, D] into the
+    pool at block ids ``ids`` (contract: `kivi_reference.write_blocks`, bit-identical
+    pool contents; ``first`` and ``ids`` int32 [N]).
+
+    On CUDA one launch writes the pool in place and this returns its ``done`` array:
+    the caller evaluates it before anything reads those blocks, and scatters nothing
+    into the pool's block arrays until then. Elsewhere the writes are scatters into the
+    pool (lazy, evaluated with it) and this returns None. `use_kernel` as in
+    `decode_attend`.
+    """
+    mod = _flush_module(pool, use_kernel)
+    if mod is None:
+        kivi_reference.write_blocks(pool, keys, values, first, ids, bits=bits, group_size=group_size)
+        return None
+    return mod.write_blocks(pool, keys, values, first, ids, bits=bits, group_size=group_size)
+
+
 __all__ = ["attend_plan", "backend", "decode_attend", "flush", "flush_layers", "kernel_available",
-           "kernel_module", "writes_tail"]
+           "kernel_module", "write_blocks", "writes_tail"]

@@ -2,7 +2,7 @@
 
 Every backend module (this one, `kernels.kivi_metal`) offers the same names:
 NAME, `available`, `supports` / `attend_plan` (decode attention), `flush_supports` /
-`kivi_flush` / `flush_layers` (tail flush). The kernels themselves: attention in
+`kivi_flush` / `flush_layers` (tail flush), `write_blocks` (a forward's blocks). The kernels themselves: attention in
 `kernels.cuda_attend`, the flush in `kernels.cuda_flush`, launch planning shared with
 Metal in `kernels.launch`.
 """
@@ -10,7 +10,7 @@ Metal in `kernels.launch`.
 from __future__ import annotations
 
 from kiviq.kernels.cuda_attend import ATTEND_KERNEL, MERGE_KERNEL, AttendPlan, kivi_decode_attend
-from kiviq.kernels.cuda_flush import FLUSH_FUSED_KERNEL, flush_layers, kivi_flush
+from kiviq.kernels.cuda_flush import FLUSH_FUSED_KERNEL, WRITE_BLOCKS_KERNEL, flush_layers, kivi_flush, write_blocks
 from kiviq.kernels.launch import HEAD_DIMS, POOL_DTYPES, flush_supports, split_plan, supports
 
 NAME = "cuda"
@@ -18,7 +18,7 @@ NAME = "cuda"
 
 def available() -> bool:
     """Whether the CUDA kernels are built here."""
-    return ATTEND_KERNEL is not None and FLUSH_FUSED_KERNEL is not None
+    return ATTEND_KERNEL is not None and FLUSH_FUSED_KERNEL is not None and WRITE_BLOCKS_KERNEL is not None
 
 
 def attend_plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, *, scale: float,
@@ -31,4 +31,4 @@ def attend_plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_le
 
 __all__ = ["ATTEND_KERNEL", "HEAD_DIMS", "MERGE_KERNEL", "NAME", "POOL_DTYPES", "AttendPlan", "attend_plan",
            "available", "flush_layers", "flush_supports", "kivi_decode_attend", "kivi_flush", "split_plan",
-           "supports"]
+           "supports", "write_blocks"]

@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from kiviq.kernels.cuda_flush import gather_flush, kernel_quantize
 from kiviq.kernels.cuda_source import read
+from kiviq.kernels import kivi_reference
 from kiviq.kernels.kivi_reference import gather_flush_layers
 from kiviq.kernels.launch import (
     HEAD_DIMS,
@@ -131,5 +132,12 @@ def flush_layers(pools: list[KiviPool], slots, ids, *, bits: int, group_size: in
                         quantize=kernel_quantize(FLUSH_KERNEL))
 
 
+def write_blocks(pool: KiviPool, keys, values, first, ids, *, bits: int, group_size: int) -> None:
+    """`kivi_reference.write_blocks` with the quantize kernel (gathers and scatters
+    around it: no in-place kernel on Metal); nothing to evaluate besides the pool."""
+    kivi_reference.write_blocks(pool, keys, values, first, ids, bits=bits, group_size=group_size,
+                                quantize=kernel_quantize(FLUSH_KERNEL))
+
+
 __all__ = ["HEAD_DIMS", "NAME", "POOL_DTYPES", "attend_plan", "available", "flush_layers", "flush_supports",
-           "kivi_decode_attend", "kivi_flush", "split_plan", "supports", "warps_for"]
+           "kivi_decode_attend", "kivi_flush", "split_plan", "supports", "warps_for", "write_blocks"]

@@ -284,6 +284,28 @@ def quantize_flushed(pool: KiviPool, rows_k: mx.array, rows_v: mx.array, *, bits
             *quantize_value_blocks(rows_v[:, :, :g], bits=bits, scale_dtype=pool.v_scales.dtype))
 
 
+def write_blocks(pool: KiviPool, keys: mx.array, values: mx.array, first: mx.array, ids: mx.array, *,
+                 bits: int, group_size: int, quantize=quantize_flushed) -> None:
+    """Quantize G-token blocks of a forward's keys and values into the pool.
+
+    keys, values: [B, H_kv, L, D], the model's layout. Block n is row first[n] // L,
+    positions first[n] % L .. + G - 1 (int32 [N]), written at pool block ids[n]: rows
+    gathered, quantized (`quantize`: `quantize_flushed` or a kernel of its contract)
+    and scattered, all lazy. The CUDA kernel of the same contract writes in place
+    (`cuda_flush.write_blocks`).
+    """
+    b, h, length, d = keys.shape
+    g, n = group_size, ids.shape[0]
+    tokens = (first[:, None] + mx.arange(g, dtype=mx.int32)[None]).reshape(-1)
+
+    def blocks(x: mx.array) -> mx.array:  # [N, H_kv, G, D] in the tails' dtype
+        rows = mx.swapaxes(x, 1, 2).reshape(b * length, h, d)[tokens]
+        return mx.swapaxes(rows.reshape(n, g, h, d), 1, 2).astype(pool.tail_k.dtype)
+
+    for name, arr in zip(FLUSHED, quantize(pool, blocks(keys), blocks(values), bits=bits, group_size=g)):
+        getattr(pool, name)[ids] = arr
+
+
 def shifted_tail(rows: mx.array, group_size: int) -> mx.array:
     """Tail rows [F, H_kv, R + G, D] once their oldest G tokens left: shifted down,
     zeros at the end."""

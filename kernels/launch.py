@@ -138,6 +138,8 @@ def flush_supports(pool: KiviPool) -> str | None:
         return f"head_dim {d} (flush kernel: {HEAD_DIMS})"
     if pool.k_scales.dtype not in POOL_DTYPES:
         return f"pool dtype {pool.k_scales.dtype} (flush kernel: {POOL_DTYPES})"
+    if pool.tail_k.dtype != pool.k_scales.dtype:  # the kernels read tails as scale-dtype rows
+        return f"tails of {pool.tail_k.dtype} beside {pool.k_scales.dtype} scales (flush kernel: the same dtype)"
     return None
 
 

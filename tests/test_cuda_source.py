@@ -21,7 +21,8 @@ from kiviq.kernels.launch import POOL_NAMES
 
 SOURCES = {"split_mma": read("cuda/attend_split_mma.cu"), "split": read("cuda/attend_split.cu"),
            "merge": read("cuda/attend_merge.cu"), "flush": read("cuda/flush_quantize.cu"),
-           "flush_fused": read("cuda/flush_fused.cu"), "qk_rope": read("cuda/qk_rope.cu")}
+           "flush_fused": read("cuda/flush_fused.cu"), "qk_rope": read("cuda/qk_rope.cu"),
+           "write_blocks": read("cuda/write_blocks.cu")}
 NAME = re.compile(r"\b(?:kivi|KIVI)_\w+")
 
 
@@ -80,11 +81,11 @@ def test_kernel_header_defines_everything_the_kernel_reaches(kernel):
 def test_every_kernel_source_file_is_tested():
     assert {p.name for p in (SOURCE_DIR / "cuda").glob("*.cu")} == {
         "attend_split_mma.cu", "attend_split.cu", "attend_merge.cu", "flush_quantize.cu", "flush_fused.cu",
-        "qk_rope.cu"}
+        "qk_rope.cu", "write_blocks.cu"}
 
 
 def test_merge_and_flush_leave_the_split_machinery_out():
-    for source in (SOURCES["merge"], SOURCES["flush"]):
+    for source in (SOURCES["merge"], SOURCES["flush"], SOURCES["write_blocks"]):
         header = kernel_header(HEADER, source)
         assert "kivi_mma" not in header and "kivi_tail_attend" not in header
 
@@ -112,6 +113,8 @@ def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
          [("SD", bf), ("D", 128), ("G", 32), ("BITS", 2)]),
         ("flush_fused", [*pool, ("slots", i32), ("ids", i32), ("params", i32)],
          [("done", i32)], [("SD", bf), ("D", 128), ("G", 32), ("BITS", 4)]),
+        ("write_blocks", [*pool[:6], ("keys", bf), ("values", bf), ("first", i32), ("ids", i32), ("params", i32)],
+         [("done", i32)], [("SD", bf), ("D", 128), ("G", 32), ("BITS", 2)]),
         ("qk_rope", [("qkv", bf), ("q_weight", bf), ("k_weight", bf), ("offsets", i32), ("params", f32)],
          [("q", bf), ("k", bf), ("v", bf)], [("T", bf), ("D", 128), ("HQ", 32), ("HKV", 8), ("NORM", 1)]),
     ]
@@ -123,7 +126,7 @@ def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
         return ptx_code(translation_unit(kernel, header, text, inputs, outputs, template), str(tmp_path),
                         f"{kernel}_{i}_{'small' if pruned else 'full'}")
 
-    # Fourteen independent nvcc runs: in parallel (nvcc is a subprocess).
+    # Two nvcc runs per case, independent: in parallel (nvcc is a subprocess).
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as pool_:
         jobs = {(i, pruned): pool_.submit(ptx, i, pruned) for i in range(len(cases)) for pruned in (False, True)}
         for i, (kernel, *_rest) in enumerate(cases):

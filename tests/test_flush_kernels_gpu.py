@@ -120,3 +120,51 @@ def test_flush_kernel_is_in_place():
     assert [id(a) for a in pool] == objects
     # One copy of a tail array would add 80 MiB.
     assert mx.get_peak_memory() - base < 16 * 2**20
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("g,d", [(16, 64), (32, 128), (128, 128)])
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_forward_blocks_kernel_equals_reference(bits, dtype, g, d):
+    """dispatch.write_blocks (a prefill's new blocks: CUDA's in-place kernel, Metal's
+    quantize kernel) against the reference: every pool array bit for bit, from keys and
+    values in the model's transposed [B, H_kv, L, D] views, blocks at any start."""
+    rng = np.random.default_rng(bits * 31 + g + d)
+    b, h, length = 3, 2, 3 * g
+    first = mx.array([0, g, length, 2 * length + 5, 2 * length + 2 * g - 3], dtype=mx.int32)
+    ids = mx.array([7, 0, 11, 3, 9], dtype=mx.int32)
+    for kind in ("normal", "grid", "offset"):
+        # Stored [B, L, H_kv, D] and passed transposed, as the model's projections come.
+        x = {n: mx.array(np.swapaxes(_tails(rng, (b, h, length, d), kind), 1, 2).astype(np.float32)).astype(dtype)
+             for n in ("keys", "values")}
+        pools = []
+        for use_kernel in (True, False):
+            pool = allocate_pool(12, 2, h, d, bits=bits, group_size=g, residual=R, dtype=dtype)
+            mx.eval(*pool)
+            done = dispatch.write_blocks(pool, mx.swapaxes(x["keys"], 1, 2), mx.swapaxes(x["values"], 1, 2),
+                                         first, ids, bits=bits, group_size=g, use_kernel=use_kernel)
+            mx.eval(pool, [] if done is None else done)
+            pools.append(pool)
+        for name, a, c in zip(KiviPool._fields, *pools):
+            assert np.array_equal(to_np(a), to_np(c)), f"{name} differs ({kind})"
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_forward_blocks_kernel_is_in_place():
+    if backend() is not kivi_cuda:
+        pytest.skip("the in-place block write is CUDA only")
+    pool = allocate_pool(4096, 8, 8, 128, bits=4)  # codes: 64 MiB per array
+    mx.eval(*pool)
+    objects = [id(a) for a in pool]
+    keys = mx.random.normal((2, 8, 256, 128)).astype(mx.float16)
+    first, ids = mx.array([0, 32, 256, 480], dtype=mx.int32), mx.array([5, 900, 17, 4000], dtype=mx.int32)
+    mx.eval(keys, dispatch.write_blocks(pool, keys, keys, first, ids, bits=4))  # compile outside
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval(dispatch.write_blocks(pool, keys, keys, first, ids + 1, bits=4), *pool)
+    assert [id(a) for a in pool] == objects
+    # One copy of a code array would add 64 MiB; the keys are 1 MiB.
+    assert mx.get_peak_memory() - base < 8 * 2**20
