@@ -343,3 +343,58 @@ def test_blocks_for_budget_is_what_make_store_allocates():
     assert capped.blocks.num_blocks == blocks_for_budget(budget, max_sequences=3, context=100, **sizes) == 3 * 7
     with pytest.raises(ValueError, match="kv_memory"):
         make_store(model, config, kv_memory=sizes["slot_bytes"], max_sequences=3, dtype=mx.float32)
+
+
+def test_in_place_block_writes_run_with_the_step_before_any_read_and_die_with_a_failed_forward(monkeypatch):
+    """Where `dispatch.write_blocks` writes in place (CUDA), its `done` arrays wait in
+    the store: `pending()` hands them to the step's evaluation once; a read of a layer's
+    blocks runs that layer's unrun writes first (a later chunk's `dense_past`: only its
+    own layer, no sync for the others), a decode step all of them; a forward that fails
+    while being built drops them. Simulated on CPU: the reference writes, plus a marker."""
+    import kiviq.engine.kv_store as kv_store_module
+
+    real_write, real_eval = kv_store_module.write_blocks, mx.eval
+    dones, evaluated = [], set()
+
+    def in_place(*a, **kw):
+        real_write(*a, **kw)
+        dones.append(mx.zeros((1,), dtype=mx.int32))
+        return dones[-1]
+
+    def eval_(*arrays):
+        stack = list(arrays)
+        while stack:
+            a = stack.pop()
+            if isinstance(a, (list, tuple)):
+                stack += list(a)
+            elif isinstance(a, mx.array):
+                evaluated.add(id(a))
+        real_eval(*arrays)
+
+    monkeypatch.setattr(kv_store_module, "write_blocks", in_place)
+    monkeypatch.setattr(mx, "eval", eval_)
+    g, r = 16, 32
+    store = make_store(4, g, r, layers=2)
+    seq = store.blocks.allocate()
+    chunk = mx.random.normal((H_KV, r + 2 * g, D))
+    for layer in range(2):
+        store.append(layer, seq, chunk, chunk)
+    assert len(dones) == 2 and not evaluated & {id(d) for d in dones}
+    store.dense_past(1, seq)  # layer 1's blocks are read: its write runs, layer 0's waits
+    assert id(dones[1]) in evaluated and id(dones[0]) not in evaluated
+    store.begin_decode([seq])  # a decode step reads every layer
+    assert id(dones[0]) in evaluated and store.pending()[1] == []
+
+    other = store.blocks.allocate()
+    batch = store.begin_prefill([other], [r + g], r + g)
+    for layer in range(2):
+        x = mx.random.normal((1, H_KV, r + g, D))
+        store.write_prefill(layer, batch, x, x)
+    pools, writes = store.pending()
+    assert pools is store.pools and [id(w) for w in writes] == [id(d) for d in dones[2:]]
+    assert store.pending()[1] == []  # handed over once
+
+    with pytest.raises(RuntimeError), store.forward_writes():
+        store.append(0, seq, chunk, chunk)
+        raise RuntimeError("the forward failed while being built")
+    assert store.pending()[1] == [] and len(dones) == 5
