@@ -129,7 +129,7 @@ class KiviStore:
             self.pools.append(pool)
         mx.eval(self.pools)
         p0 = self.pools[0]
-        self._unrun_writes: list[tuple[int, mx.array]] = []  # (layer, done): see pending()
+        self._unrun_writes: list[mx.array] = []  # see pending()
         self.blocks = BlockManager(
             num_blocks, num_slots, num_layers=num_layers, group_size=config.group_size,
             residual=config.residual, flush_blocks=config.flush_blocks,
@@ -160,33 +160,30 @@ class KiviStore:
 
     # ---- writes ----------------------------------------------------------
 
-    def _write_blocks(self, layer: int, ids: list[int] | mx.array, keys: mx.array, values: mx.array,
+    def _write_blocks(self, pool: KiviPool, ids: list[int] | mx.array, keys: mx.array, values: mx.array,
                       first: mx.array) -> None:
         """Quantize the G-token blocks of keys, values [B, H_kv, L, D] that start at
-        tokens ``first`` (row * L + position) into ``layer``'s blocks ``ids``
+        tokens ``first`` (row * L + position) into pool blocks ``ids``
         (`dispatch.write_blocks`); an in-place launch waits in ``_unrun_writes``."""
         idx = ids if isinstance(ids, mx.array) else mx.array(ids, dtype=mx.int32)
-        done = write_blocks(self.pools[layer], keys, values, first, idx, bits=self.config.bits,
-                            group_size=self.config.group_size, use_kernel=self.use_kernel)
+        done = write_blocks(pool, keys, values, first, idx, bits=self.config.bits, group_size=self.config.group_size,
+                            use_kernel=self.use_kernel)
         if done is not None:
-            self._unrun_writes.append((layer, done))
+            self._unrun_writes.append(done)
 
     def pending(self) -> list:
         """What a forward's caller evaluates so that the pools hold all it wrote: the
         pools (their scatters) and the in-place block writes (`dispatch.write_blocks`),
         which no graph node reads."""
         writes, self._unrun_writes = self._unrun_writes, []
-        return [self.pools, [done for _, done in writes]]
+        return [self.pools, writes]
 
-    def _run_writes(self, layer: int | None = None) -> None:
-        """Run in-place block writes (of ``layer``, or all) that nobody evaluated yet,
-        before a read of those blocks. The engine's runner evaluates them with each
-        forward, so this only costs a sync within a later chunk's forward (a write of
-        this layer, none) or for a caller that drives the store itself."""
-        run = [done for at, done in self._unrun_writes if layer is None or at == layer]
-        if run:
-            mx.eval(run)
-            self._unrun_writes = [(at, d) for at, d in self._unrun_writes if layer is not None and at != layer]
+    def _run_writes(self) -> None:
+        """Run in-place block writes nobody evaluated yet, before a read of the blocks
+        (the engine's runner evaluates them with each forward: then this is free)."""
+        if self._unrun_writes:
+            mx.eval(self._unrun_writes)
+            self._unrun_writes = []
 
     @contextlib.contextmanager
     def forward_writes(self):
@@ -225,7 +222,7 @@ class KiviStore:
         first = seq.blocks_used[layer]
         ids = [self.blocks.block(seq, first + i) for i in range(n_flush)]
         cut = n_flush * g
-        self._write_blocks(layer, ids, all_k[None], all_v[None], mx.arange(0, cut, g, dtype=mx.int32))
+        self._write_blocks(pool, ids, all_k[None], all_v[None], mx.arange(0, cut, g, dtype=mx.int32))
         pool.tail_k[seq.slot, :, : total - cut] = all_k[:, cut:]
         pool.tail_v[seq.slot, :, : total - cut] = all_v[:, cut:]
         seq.blocks_used[layer] = first + n_flush
@@ -272,7 +269,7 @@ class KiviStore:
         pool = self.pools[layer]
         h, d = k.shape[1], k.shape[3]
         if batch.block_ids is not None:
-            self._write_blocks(layer, batch.block_ids, k, v, batch.block_first)
+            self._write_blocks(pool, batch.block_ids, k, v, batch.block_first)
         # Token-major rows [B * L, H_kv, D], so a token is one index.
         k_rows = mx.swapaxes(k, 1, 2).reshape(-1, h, d)
         v_rows = mx.swapaxes(v, 1, 2).reshape(-1, h, d)
@@ -415,7 +412,7 @@ class KiviStore:
     def dense_past(self, layer: int, seq: SequenceKV) -> tuple[mx.array, mx.array]:
         """The sequence's committed K and V in ``layer`` as [H_kv, S, D] (blocks
         dequantized, then the tail), for prefill attention."""
-        self._run_writes(layer)
+        self._run_writes()
         pool = self.pools[layer]
         t, nb = seq.tail_lens[layer], seq.blocks_used[layer]
         tail_k, tail_v = pool.tail_k[seq.slot, :, :t], pool.tail_v[seq.slot, :, :t]
