@@ -2,9 +2,9 @@
 
 Every backend module (this one, `kernels.kivi_metal`) offers the same names:
 NAME, `available`, `supports` / `attend_plan` (decode attention), `flush_supports` /
-`kivi_flush` / `flush_layers` (tail flush), `write_blocks` (a forward's blocks). The kernels themselves: attention in
-`kernels.cuda_attend`, the flush in `kernels.cuda_flush`, launch planning shared with
-Metal in `kernels.launch`.
+`kivi_flush` / `flush_layers` (tail flush), `write_blocks` (a forward's new blocks).
+The kernels themselves: attention in `kernels.cuda_attend`, the flush and the block
+writes in `kernels.cuda_flush`, launch planning shared with Metal in `kernels.launch`.
 """
 
 from __future__ import annotations
