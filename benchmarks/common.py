@@ -9,6 +9,34 @@ import platform
 import shlex
 import sys
 import tempfile
+import time
+from pathlib import Path
+
+
+def host_probe(repeats: int = 7) -> dict:
+    """How fast this process's main thread runs plain host code: the best of
+    ``repeats`` runs of a fixed pure-Python loop (no MLX, no GPU), and the CPU the
+    thread is on. The same build can run 1.5-2x slower in one process than in the
+    next, host code and all (docs/performance.md, "The two modes of the step
+    time"): a benchmark that compares processes reports this beside its times."""
+    def work() -> int:
+        acc, d = 0, {}
+        for i in range(200_000):
+            d[i & 1023] = acc = (acc * 31 + i) & 0xFFFF
+        return acc
+
+    best = min(_timed(work) for _ in range(repeats))
+    try:  # field 39 of /proc/<pid>/task/<tid>/stat: the CPU it last ran on
+        cpu = int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        cpu = None
+    return {"host_probe_ms": best * 1e3, "host_cpu": cpu}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def machine() -> str:

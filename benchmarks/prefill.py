@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import command, device_trace, machine, table  # noqa: E402
+from benchmarks.common import command, device_trace, host_probe, machine, table  # noqa: E402
 from benchmarks.engine import SHAPES, random_model  # noqa: E402
 from kiviq.engine import Request, build_engine  # noqa: E402
 from tests.engine_runs import IdTokenizer  # noqa: E402
@@ -238,6 +238,9 @@ def main() -> None:
     print(f"\n{args.requests} requests x ~{args.prompt_tokens} prompt tokens x {args.gen} new, "
           f"{args.shape} {args.dtype}, KIVI {args.bits}-bit\n")
     print(table(COLUMNS, rows))
+    probe = host_probe()
+    print(f"\nhost probe (a fixed pure-Python loop, best of 7; compare processes by it): "
+          f"{probe['host_probe_ms']:.2f} ms on CPU {probe['host_cpu']}")
     if args.ceiling:
         prompts = make_prompts(0, args.requests, args.prompt_tokens, vocab)
         budget = rows[-1][0]

@@ -46,6 +46,7 @@ import json
 import os
 import re
 import shlex
+import socket
 import sys
 import tempfile
 import time
@@ -54,7 +55,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.service_measure import (CheckFailed, check_streams, compare_tokens, raw_run,  # noqa: E402
-                                        service_run, summarize)
+                                        service_run, summarize, worker_steps)
 from benchmarks.service_setup import (RedisProcess, WorkerProcess, default_model_dir, load_tokenizer,  # noqa: E402
                                       make_prompts, random_model_dir)
 
@@ -133,6 +134,20 @@ def warm_up_lines(log: str) -> list[str]:
     return [line for line in log.splitlines() if "warm-up" in line]
 
 
+def worker_metrics(wargs: list[str]) -> tuple[str, list[str]]:
+    """The worker's Prometheus URL, and its arguments with ``--metrics-port`` on a
+    free port unless they name one (its step histogram is read around each run)."""
+    from kiviq.worker.cli import build_parser as worker_parser
+
+    port = worker_parser().parse_args(wargs).metrics_port
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        wargs = [*wargs, f"--metrics-port={port}"]
+    return f"http://127.0.0.1:{port}/metrics", wargs
+
+
 def run_service(args, wargs: list[str], model: dict, prompts: list[list[str]], out: dict) -> list:
     """Every run through a fresh Redis and one worker; both stopped at the end,
     also on an error or Ctrl-C."""
@@ -144,6 +159,7 @@ def run_service(args, wargs: list[str], model: dict, prompts: list[list[str]], o
     try:
         out["redis"] = redis.kind
         print(f"redis: {redis.kind} at {redis.url}; worker log: {log_path}", flush=True)
+        metrics_url, wargs = worker_metrics(wargs)
         worker = WorkerProcess(redis.url, model["worker_model"], wargs, log_path)
         out["worker_ready_s"] = worker.wait_ready(Redis.from_url(redis.url), args.start_timeout)
         print(f"worker registered after {out['worker_ready_s']:.1f} s", flush=True)
@@ -151,8 +167,11 @@ def run_service(args, wargs: list[str], model: dict, prompts: list[list[str]], o
             print(f"worker log: {line}", flush=True)
         records = []
         for run, run_prompts in enumerate(prompts):
+            before = worker_steps(metrics_url)
             recs, wall = service_run(redis.url, run_prompts, args.gen, args.job_timeout, out["client_procs"],
                                      paused=worker if args.submit == "queued" else None)
+            after = worker_steps(metrics_url)
+            out.setdefault("service_steps", []).append(dict(steps=after[0] - before[0], step_s=after[1] - before[1]))
             if not worker.alive():
                 raise SystemExit(f"the worker died during run {run + 1}:\n{worker.log()[-4000:]}")
             records.append(recs)
@@ -197,7 +216,9 @@ def run_raw(args, wargs: list[str], model: dict, prompts: list[list[str]], out: 
     for run, run_prompts in enumerate(prompts):
         requests = [build_request(str(i), GenerateRequest(prompt=p, max_tokens=args.gen), tok, ctx)
                     for i, p in enumerate(run_prompts)]
-        recs, wall = raw_run(engine, requests)
+        steps: dict = {}
+        recs, wall = raw_run(engine, requests, steps)
+        out.setdefault("raw_steps", []).append(steps)
         records.append(recs)
         print(f"raw engine run {run + 1}: {summarize(recs, wall)['generated_tok_s']:.1f} generated tok/s, "
               f"{wall:.2f} s", flush=True)
@@ -298,6 +319,13 @@ def report(out: dict) -> str:
                          f"{s['worker_queue_p50_s']:.3f} s; client TTFT - worker's p50 "
                          f"{s['client_extra_ttft_p50_s'] * 1e3:.1f} ms; token events < 1 ms after the previous one "
                          f"{s['bunched_events']:.0%}; restarts {s['restarts']}; finish reasons {s['finish_reasons']}")
+    for arm, key in (("service", "service_steps"), ("raw engine", "raw_steps")):
+        for k, st in enumerate(out.get(key, [])):
+            wall = out["service" if arm == "service" else "raw"][k]["wall_s"]
+            if st["steps"]:
+                lines.append(f"- {arm} run {k + 1}: {st['steps']} engine steps, {st['step_s'] / st['steps'] * 1e3:.2f} ms "
+                             f"each in the step (engine.step{' and its events' if arm == 'service' else ''}), "
+                             f"{wall / st['steps'] * 1e3:.2f} ms apart over the run")
     for name, c in out["checks"].items():
         verdict = "not checked" if not c["checked"] else "ok" if c["ok"] else \
             f"FAILED ({len(c['problems'])})" if c["exact"] else \

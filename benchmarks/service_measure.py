@@ -14,6 +14,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -184,10 +185,11 @@ def service_run(redis_url: str, prompts: list[str], gen: int, timeout: float = 3
 
 # ---------------------------------------------------------------- raw engine
 
-def raw_run(engine, requests) -> tuple[list[Record], float]:
+def raw_run(engine, requests, steps: dict | None = None) -> tuple[list[Record], float]:
     """Add every request at once to an idle engine and step until all have
     ended, the way prefill.py times it; arrival time = when the step that
-    returned an event returned."""
+    returned an event returned. ``steps`` gets the run's step count and seconds
+    in ``engine.step`` (to set beside the worker's, `worker_steps`)."""
     import mlx.core as mx
 
     records = {r.request_id: Record(i, prompt_tokens=len(r.prompt_tokens)) for i, r in enumerate(requests)}
@@ -195,9 +197,12 @@ def raw_run(engine, requests) -> tuple[list[Record], float]:
     t0 = time.perf_counter()
     for r in requests:
         engine.add(r)
+    n, in_steps = 0, 0.0
     while engine.has_work():
+        began = time.perf_counter()
         events = engine.step()
         now = time.perf_counter() - t0
+        n, in_steps = n + 1, in_steps + (time.perf_counter() - began)
         for ev in events:
             rec = records[ev.request_id]
             if ev.finish_reason == "error":
@@ -207,7 +212,27 @@ def raw_run(engine, requests) -> tuple[list[Record], float]:
                 rec.arrivals.append((now, len(ev.token_ids)))
             if ev.finish_reason:
                 rec.finished, rec.finish_reason = now, ev.finish_reason
+    if steps is not None:
+        steps.update(steps=n, step_s=in_steps)
     return list(records.values()), time.perf_counter() - t0
+
+
+def worker_steps(metrics_url: str) -> tuple[int, float]:
+    """The worker's engine steps so far and the seconds they took (its
+    ``step_duration_seconds`` histogram: ``engine.step`` plus turning the step's
+    events into messages), read from its Prometheus endpoint."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    count = total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("step_duration_seconds_count"):
+                count += sample.value
+            elif sample.name.endswith("step_duration_seconds_sum"):
+                total += sample.value
+    return int(count), total
 
 
 # ---------------------------------------------------------------- statistics

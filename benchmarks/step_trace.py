@@ -64,7 +64,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mlx.core as mx  # noqa: E402
 
 import kiviq.engine.kv_store as kv_store_module  # noqa: E402
-from benchmarks.common import API_EVENTS, DEVICE_EVENTS, command, device_trace, machine, prefilled_engine, table  # noqa: E402
+from benchmarks.common import (API_EVENTS, DEVICE_EVENTS, command, device_trace, host_probe, machine,  # noqa: E402
+                               prefilled_engine, table)
 from benchmarks.trace_summary import print_host_profile, print_trace  # noqa: E402
 from benchmarks.engine import SHAPES, random_model  # noqa: E402
 from kiviq.engine.flat_quantized import flat_quantized_matmuls  # noqa: E402
@@ -162,7 +163,7 @@ class Arm:
     def summary(self) -> dict:
         """What ``--summary-json`` keeps of this arm (one process of ``--processes``)."""
         out = {"median_ms": statistics.median(self.times) * 1e3,
-               "cpu_ms": statistics.median(self.cpu) * 1e3, "digest": self.digest}
+               "cpu_ms": statistics.median(self.cpu) * 1e3, "digest": self.digest, **host_probe()}
         engine = getattr(self._step, "engine", None)  # kiviq arms only
         if engine is not None and engine.runner.compiled is not None:
             out["decode_steps"] = dict(engine.runner.compiled.stats)  # since the engine was built
@@ -369,12 +370,14 @@ def across_processes(args) -> None:
             for label, a in r.items():
                 steps = a.get("decode_steps", {})
                 rows.append([name, i, label, f"{a['median_ms']:.2f}", f"{a['cpu_ms']:.2f}" if "cpu_ms" in a else "-",
+                             f"{a['host_probe_ms']:.2f} (CPU {a.get('host_cpu')})" if "host_probe_ms" in a else "-",
                              f"{a['device_busy_ms']:.2f}" if "device_busy_ms" in a else "-",
                              " ".join(f"{k} {v}" for k, v in steps.items()) or "-"])
-    print("\nper process: median step, the process's CPU time per step (all threads), device busy per step "
+    print("\nper process: median step, the process's CPU time per step (all threads), a fixed pure-Python loop "
+          "timed after the steps (host_probe: the main thread's speed, and its CPU), device busy per step "
           "(--trace), decode steps plain / compiled / traced since the engine was built\n")
-    print(table(["tree", "process", "arm", "median step ms", "CPU ms / step", "device busy ms / step",
-                 "decode steps"], rows))
+    print(table(["tree", "process", "arm", "median step ms", "CPU ms / step", "host probe ms (CPU)",
+                 "device busy ms / step", "decode steps"], rows))
 
 
 def main() -> None:

@@ -113,8 +113,8 @@ class KiviLayerCache:
             # "causal" aligns the L queries with the last L of the S keys.
             out = mx.fast.scaled_dot_product_attention(queries, k_all.astype(queries.dtype),
                                                        v_all.astype(queries.dtype), scale=scale, mask="causal")
-            # Finish every read of the pool before this chunk is written into it.
-            mx.eval(out)
+            self.store.append(self.layer, seq, keys[0], values[0], reads=(out,))
+            return out
         self.store.append(self.layer, seq, keys[0], values[0])
         return out
 

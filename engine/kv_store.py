@@ -35,7 +35,7 @@ from kiviq.kernels import (
     dequantize_key_blocks,
     dequantize_value_blocks,
 )
-from kiviq.kernels.dispatch import attend_plan, flush_layers, write_blocks, writes_tail
+from kiviq.kernels.dispatch import attend_plan, blocks_written_in_place, flush_layers, write_blocks, writes_tail
 from kiviq.kernels.rotation import check_rotation, hadamard_rotate
 
 __all__ = ["DecodeBatch", "KVConfig", "KiviStore", "OutOfKVMemory", "PrefillBatch", "SequenceKV"]
@@ -129,7 +129,11 @@ class KiviStore:
             self.pools.append(pool)
         mx.eval(self.pools)
         p0 = self.pools[0]
-        self._unrun_writes: list[mx.array] = []  # see pending()
+        self._unrun_writes: list[tuple[int, mx.array]] = []  # (layer, done): see pending()
+        # Block writes are in-place launches (CUDA) rather than scatters into the
+        # pools: then a later chunk need not finish its reads of a pool before its
+        # writes (see append).
+        self._blocks_in_place = blocks_written_in_place(p0, use_kernel)
         self.blocks = BlockManager(
             num_blocks, num_slots, num_layers=num_layers, group_size=config.group_size,
             residual=config.residual, flush_blocks=config.flush_blocks,
@@ -160,30 +164,34 @@ class KiviStore:
 
     # ---- writes ----------------------------------------------------------
 
-    def _write_blocks(self, pool: KiviPool, ids: list[int] | mx.array, keys: mx.array, values: mx.array,
+    def _write_blocks(self, layer: int, ids: list[int] | mx.array, keys: mx.array, values: mx.array,
                       first: mx.array) -> None:
         """Quantize the G-token blocks of keys, values [B, H_kv, L, D] that start at
-        tokens ``first`` (row * L + position) into pool blocks ``ids``
+        tokens ``first`` (row * L + position) into ``layer``'s blocks ``ids``
         (`dispatch.write_blocks`); an in-place launch waits in ``_unrun_writes``."""
         idx = ids if isinstance(ids, mx.array) else mx.array(ids, dtype=mx.int32)
-        done = write_blocks(pool, keys, values, first, idx, bits=self.config.bits, group_size=self.config.group_size,
-                            use_kernel=self.use_kernel)
+        done = write_blocks(self.pools[layer], keys, values, first, idx, bits=self.config.bits,
+                            group_size=self.config.group_size, use_kernel=self.use_kernel)
         if done is not None:
-            self._unrun_writes.append(done)
+            self._unrun_writes.append((layer, done))
 
     def pending(self) -> list:
         """What a forward's caller evaluates so that the pools hold all it wrote: the
         pools (their scatters) and the in-place block writes (`dispatch.write_blocks`),
         which no graph node reads."""
         writes, self._unrun_writes = self._unrun_writes, []
-        return [self.pools, writes]
+        return [self.pools, [done for _, done in writes]]
 
-    def _run_writes(self) -> None:
-        """Run in-place block writes nobody evaluated yet, before a read of the blocks
-        (the engine's runner evaluates them with each forward: then this is free)."""
-        if self._unrun_writes:
-            mx.eval(self._unrun_writes)
-            self._unrun_writes = []
+    def _run_writes(self, layer: int | None = None) -> None:
+        """Run the in-place block writes (of ``layer``, or all) that nobody evaluated
+        yet, before a read of those blocks. The engine's runner evaluates them with
+        each forward, so in the engine this finds none: a later chunk reads a layer
+        before it writes it. It costs a sync only for a caller that drives the store
+        itself."""
+        run = [done for at, done in self._unrun_writes if layer is None or at == layer]
+        if run:
+            mx.eval(run)
+            self._unrun_writes = [(at, d) for at, d in self._unrun_writes if layer is not None and at != layer]
 
     @contextlib.contextmanager
     def forward_writes(self):
@@ -196,12 +204,20 @@ class KiviStore:
             self._unrun_writes = []
             raise
 
-    def append(self, layer: int, seq: SequenceKV, k: mx.array, v: mx.array) -> None:
+    def append(self, layer: int, seq: SequenceKV, k: mx.array, v: mx.array, reads: tuple = ()) -> None:
         """Commit new tokens k, v [H_kv, L, D] of one sequence to ``layer``.
 
         Applies the flush rule: while the tail would hold R + k*G or more
         tokens, its oldest k*G become k quantized blocks. A long prompt is thus
         quantized at once, leaving R .. R + k*G - 1 tokens in the tail.
+
+        ``reads``: arrays built from this layer's pool (a later chunk's attention
+        over its past). Where blocks are written by scatters they are evaluated
+        first, so no pending read keeps a scatter from updating the pool in place
+        (MLX would copy the whole pool). With in-place block writes nothing waits:
+        the new blocks are not the ones read, and a tail scatter behind a pending
+        read copies only this layer's tails (tens of microseconds on a GPU, where a
+        host sync per layer cost the device its queue).
         """
         g = self.config.group_size
         self._settle()
@@ -209,20 +225,22 @@ class KiviStore:
         t_old, n_new = seq.tail_lens[layer], k.shape[1]
         total = t_old + n_new
         n_flush = self.blocks.blocks_needed(total)  # the tail's tokens follow the same rule
+        if reads and not self._blocks_in_place:
+            mx.eval(*reads)
         if n_flush == 0:
             pool.tail_k[seq.slot, :, t_old:total] = k.astype(pool.tail_k.dtype)
             pool.tail_v[seq.slot, :, t_old:total] = v.astype(pool.tail_v.dtype)
             seq.tail_lens[layer] = total
             return
-        # all: [H_kv, T, D] -- old tail then new tokens; evaluated before the
-        # writes below so no pending read keeps the pool from updating in place.
+        # all: [H_kv, T, D] -- old tail then new tokens.
         all_k = mx.concatenate([pool.tail_k[seq.slot, :, :t_old], k.astype(pool.tail_k.dtype)], axis=1)
         all_v = mx.concatenate([pool.tail_v[seq.slot, :, :t_old], v.astype(pool.tail_v.dtype)], axis=1)
-        mx.eval(all_k, all_v)
+        if not self._blocks_in_place:
+            mx.eval(all_k, all_v)
         first = seq.blocks_used[layer]
         ids = [self.blocks.block(seq, first + i) for i in range(n_flush)]
         cut = n_flush * g
-        self._write_blocks(pool, ids, all_k[None], all_v[None], mx.arange(0, cut, g, dtype=mx.int32))
+        self._write_blocks(layer, ids, all_k[None], all_v[None], mx.arange(0, cut, g, dtype=mx.int32))
         pool.tail_k[seq.slot, :, : total - cut] = all_k[:, cut:]
         pool.tail_v[seq.slot, :, : total - cut] = all_v[:, cut:]
         seq.blocks_used[layer] = first + n_flush
@@ -269,7 +287,7 @@ class KiviStore:
         pool = self.pools[layer]
         h, d = k.shape[1], k.shape[3]
         if batch.block_ids is not None:
-            self._write_blocks(pool, batch.block_ids, k, v, batch.block_first)
+            self._write_blocks(layer, batch.block_ids, k, v, batch.block_first)
         # Token-major rows [B * L, H_kv, D], so a token is one index.
         k_rows = mx.swapaxes(k, 1, 2).reshape(-1, h, d)
         v_rows = mx.swapaxes(v, 1, 2).reshape(-1, h, d)
@@ -412,7 +430,7 @@ class KiviStore:
     def dense_past(self, layer: int, seq: SequenceKV) -> tuple[mx.array, mx.array]:
         """The sequence's committed K and V in ``layer`` as [H_kv, S, D] (blocks
         dequantized, then the tail), for prefill attention."""
-        self._run_writes()
+        self._run_writes(layer)
         pool = self.pools[layer]
         t, nb = seq.tail_lens[layer], seq.blocks_used[layer]
         tail_k, tail_v = pool.tail_k[seq.slot, :, :t], pool.tail_v[seq.slot, :, :t]

@@ -198,6 +198,12 @@ def flush_layers(
                          wait=wait)
 
 
+def blocks_written_in_place(pool: KiviPool, use_kernel: bool | None = None) -> bool:
+    """Whether `write_blocks` into pools like ``pool`` is an in-place launch (CUDA)
+    rather than scatters into the pool's block arrays."""
+    return _flush_module(pool, use_kernel) is kivi_cuda
+
+
 def write_blocks(pool: KiviPool, keys: mx.array, values: mx.array, first: mx.array, ids: mx.array, *,
                  bits: int, group_size: int = 32, use_kernel: bool | None = None) -> mx.array | None:
     """Quantize G-token blocks of a forward's keys and values [B, H_kv, L, D] into the
@@ -217,5 +223,5 @@ def write_blocks(pool: KiviPool, keys: mx.array, values: mx.array, first: mx.arr
     return mod.write_blocks(pool, keys, values, first, ids, bits=bits, group_size=group_size)
 
 
-__all__ = ["attend_plan", "backend", "decode_attend", "flush", "flush_layers", "kernel_available",
-           "kernel_module", "write_blocks", "writes_tail"]
+__all__ = ["attend_plan", "backend", "blocks_written_in_place", "decode_attend", "flush", "flush_layers",
+           "kernel_available", "kernel_module", "write_blocks", "writes_tail"]

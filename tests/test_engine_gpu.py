@@ -59,6 +59,22 @@ def test_greedy_128_tokens_kernel_equals_reference(gpu_model, bits, rotate):
     assert kernel == reference
 
 
+def test_later_chunks_write_blocks_in_place_and_equal_reference(gpu_model):
+    """Prompts longer than a step's budget prefill in chunks: a later chunk attends to
+    its past and writes its new blocks in place (CUDA) without finishing its reads
+    first (KiviStore.append). Its first token, and the decode after it, equal the
+    reference store's (scatters, a sync per layer)."""
+    from kiviq.engine import Request
+
+    model, tok = gpu_model
+    ids = tok.encode(PROSE)
+    reqs = lambda: [Request(f"r{i}", ids[i * 131: i * 131 + 300 + 170 * i], 16) for i in range(4)]  # noqa: E731
+    kernel = generate(model, tok, reqs(), bits=4, max_batch_tokens=128, join_every=2)
+    reference = generate(model, tok, reqs(), bits=4, max_batch_tokens=128, join_every=2, use_kernel=False)
+    assert all(len(t) == 16 for t in kernel.values())
+    assert kernel == reference
+
+
 def test_compiled_pipelined_2r_equals_plain_with_kernel(gpu_model):
     """2r with the kernels inside the compiled graph (mx.hadamard_transform traced with
     them): the same tokens as plain steps, requests joining and leaving."""

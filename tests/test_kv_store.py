@@ -347,10 +347,12 @@ def test_blocks_for_budget_is_what_make_store_allocates():
 
 def test_in_place_block_writes_run_with_the_step_before_any_read_and_die_with_a_failed_forward(monkeypatch):
     """Where `dispatch.write_blocks` writes in place (CUDA), its `done` arrays wait in
-    the store: `pending()` hands them to the step's evaluation once; a read of the blocks
-    (a later chunk's `dense_past`, a decode step) runs unrun writes first; a forward
-    that fails while being built drops them. Simulated on CPU: the reference writes,
-    plus a marker."""
+    the store: `pending()` hands them to the step's evaluation once; a read of a layer's
+    blocks runs that layer's unrun writes first (a later chunk's `dense_past`: only its
+    own layer, no sync for the others), a decode step all of them; a forward that fails
+    while being built drops them. A later chunk's reads of the pool are then not
+    evaluated before its writes (no sync per layer). Simulated on CPU: the reference
+    writes, plus a marker."""
     import kiviq.engine.kv_store as kv_store_module
 
     real_write, real_eval = kv_store_module.write_blocks, mx.eval
@@ -375,17 +377,17 @@ def test_in_place_block_writes_run_with_the_step_before_any_read_and_die_with_a_
     monkeypatch.setattr(mx, "eval", eval_)
     g, r = 16, 32
     store = make_store(4, g, r, layers=2)
+    store._blocks_in_place = True  # as blocks_written_in_place says on CUDA
     seq = store.blocks.allocate()
     chunk = mx.random.normal((H_KV, r + 2 * g, D))
+    read = mx.random.normal((2,)) * 2  # stands for a later chunk's attention output
     for layer in range(2):
-        store.append(layer, seq, chunk, chunk)
-    assert len(dones) == 2 and not evaluated & {id(d) for d in dones}
-    store.dense_past(1, seq)  # the blocks are read: the writes run first
-    assert {id(d) for d in dones} <= evaluated and store.pending()[1] == []
-    for layer in range(2):
-        store.append(layer, seq, chunk, chunk)
-    store.begin_decode([seq])  # a decode step reads the blocks too
-    assert {id(d) for d in dones[2:]} <= evaluated and store.pending()[1] == []
+        store.append(layer, seq, chunk, chunk, reads=(read,))
+    assert len(dones) == 2 and not evaluated & {id(d) for d in dones} and id(read) not in evaluated
+    store.dense_past(1, seq)  # layer 1's blocks are read: its write runs, layer 0's waits
+    assert id(dones[1]) in evaluated and id(dones[0]) not in evaluated
+    store.begin_decode([seq])  # a decode step reads every layer
+    assert id(dones[0]) in evaluated and store.pending()[1] == []
 
     other = store.blocks.allocate()
     batch = store.begin_prefill([other], [r + g], r + g)
@@ -393,10 +395,15 @@ def test_in_place_block_writes_run_with_the_step_before_any_read_and_die_with_a_
         x = mx.random.normal((1, H_KV, r + g, D))
         store.write_prefill(layer, batch, x, x)
     pools, writes = store.pending()
-    assert pools is store.pools and [id(w) for w in writes] == [id(d) for d in dones[4:]]
+    assert pools is store.pools and [id(w) for w in writes] == [id(d) for d in dones[2:]]
     assert store.pending()[1] == []  # handed over once
 
     with pytest.raises(RuntimeError), store.forward_writes():
         store.append(0, seq, chunk, chunk)
         raise RuntimeError("the forward failed while being built")
-    assert store.pending()[1] == [] and len(dones) == 7
+    assert store.pending()[1] == [] and len(dones) == 5
+
+    store._blocks_in_place = False  # scatters (CPU, Metal): a later chunk's reads finish first
+    read = mx.random.normal((2,)) * 2
+    store.append(1, seq, chunk[:, :1], chunk[:, :1], reads=(read,))
+    assert id(read) in evaluated

@@ -87,3 +87,8 @@ def test_the_benchmark_runs_the_whole_path_and_its_checks_hold(tmp_path):
         assert (s["prompt_tokens"], s["generated_tokens"]) == (r["prompt_tokens"], r["generated_tokens"])
     assert "| service | 2 (warm) |" in proc.stdout and "check service_equals_raw: ok" in proc.stdout
     assert res["ratios"]["service_over_raw_generated_tok_s"] > 0
+    # Engine steps per run, read from the worker's metrics and counted in the raw loop:
+    # a run of 2 requests x <= 5 tokens is a few steps, each taking some time.
+    for steps in res["service_steps"] + res["raw_steps"]:
+        assert 2 <= steps["steps"] <= 20 and steps["step_s"] > 0
+    assert "engine steps," in proc.stdout
