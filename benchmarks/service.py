@@ -171,7 +171,7 @@ def run_service(args, wargs: list[str], model: dict, prompts: list[list[str]], o
             recs, wall = service_run(redis.url, run_prompts, args.gen, args.job_timeout, out["client_procs"],
                                      paused=worker if args.submit == "queued" else None)
             after = worker_steps(metrics_url)
-            out.setdefault("service_steps", []).append(dict(steps=after[0] - before[0], step_s=after[1] - before[1]))
+            out.setdefault("service_steps", []).append({k: v - before.get(k, 0) for k, v in after.items()})
             if not worker.alive():
                 raise SystemExit(f"the worker died during run {run + 1}:\n{worker.log()[-4000:]}")
             records.append(recs)
@@ -322,10 +322,14 @@ def report(out: dict) -> str:
     for arm, key in (("service", "service_steps"), ("raw engine", "raw_steps")):
         for k, st in enumerate(out.get(key, [])):
             wall = out["service" if arm == "service" else "raw"][k]["wall_s"]
-            if st["steps"]:
-                lines.append(f"- {arm} run {k + 1}: {st['steps']} engine steps, {st['step_s'] / st['steps'] * 1e3:.2f} ms "
+            n = int(st["steps"])
+            if n:
+                own = {k: v for k, v in st.items() if k not in ("steps", "step_s")}
+                lines.append(f"- {arm} run {k + 1}: {n} engine steps, {st['step_s'] / n * 1e3:.2f} ms "
                              f"each in the step (engine.step{' and its events' if arm == 'service' else ''}), "
-                             f"{wall / st['steps'] * 1e3:.2f} ms apart over the run")
+                             f"{wall / n * 1e3:.2f} ms apart over the run"
+                             + ("; the worker's own ms per step: " + ", ".join(
+                                 f"{phase} {s / n * 1e3:.2f}" for phase, s in own.items()) if own else ""))
     for name, c in out["checks"].items():
         verdict = "not checked" if not c["checked"] else "ok" if c["ok"] else \
             f"FAILED ({len(c['problems'])})" if c["exact"] else \

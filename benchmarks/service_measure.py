@@ -217,22 +217,26 @@ def raw_run(engine, requests, steps: dict | None = None) -> tuple[list[Record], 
     return list(records.values()), time.perf_counter() - t0
 
 
-def worker_steps(metrics_url: str) -> tuple[int, float]:
-    """The worker's engine steps so far and the seconds they took (its
-    ``step_duration_seconds`` histogram: ``engine.step`` plus turning the step's
-    events into messages), read from its Prometheus endpoint."""
+def worker_steps(metrics_url: str) -> dict[str, float]:
+    """What the worker's Prometheus endpoint says so far: its engine steps
+    (``steps``) and the seconds they took (``step_s``: ``engine.step`` plus turning
+    the step's events into messages), and the seconds of its own loop around them
+    by phase (``worker_loop_seconds_total``: publish, cancel_check, ...)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
-    count = total = 0.0
+    out: dict[str, float] = {"steps": 0, "step_s": 0.0}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name.endswith("step_duration_seconds_count"):
-                count += sample.value
+                out["steps"] += sample.value
             elif sample.name.endswith("step_duration_seconds_sum"):
-                total += sample.value
-    return int(count), total
+                out["step_s"] += sample.value
+            elif sample.name.endswith("worker_loop_seconds_total"):
+                phase = sample.labels["phase"]
+                out[phase] = out.get(phase, 0.0) + sample.value
+    return out
 
 
 # ---------------------------------------------------------------- statistics

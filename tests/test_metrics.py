@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiviq.jobs.keys import worker_stats_key
-from kiviq.worker.metrics import WorkerMetrics, quantile
+from kiviq.worker.metrics import PhaseClock, WorkerMetrics, quantile
 from kiviq.worker.metrics_http import serve_metrics
 from kiviq.worker.stats import StatsPublisher
 
@@ -68,6 +68,28 @@ def test_quantile_from_buckets():
     assert quantile(buckets, 0.5) == pytest.approx(1.0 + (3 - 2) / 3)  # rank 3 inside (1, 2]
     assert quantile(buckets, 1.0) == 5.0  # +Inf bucket: the largest finite bound
     assert quantile([(1.0, 0), (math.inf, 0)], 0.5) is None
+
+
+def test_worker_loop_phases_are_counted_apart_from_the_step():
+    """PhaseClock charges each lap to its phase; worker_loop counts the worker's own
+    phases (the step has its histogram, idle waiting counts nowhere)."""
+    m = WorkerMetrics(MODEL, clock=FakeClock())
+    for _ in range(2):
+        clock = PhaseClock()
+        time.sleep(0.002)
+        clock.lap("publish")
+        clock.lap("cancel_check")
+        time.sleep(0.003)
+        clock.lap("step")
+        clock.lap("publish")
+        m.worker_loop(clock.spent)
+        assert clock.spent["step"] >= 0.003 and clock.spent["publish"] >= 0.002
+    fam = parse(m.render())
+    name = "kiviq:worker_loop_seconds_total"
+    assert 0.004 <= value_of(fam, name, phase="publish") < 0.006 + 0.2
+    assert value_of(fam, name, phase="cancel_check") < 0.002
+    assert value_of(fam, name, phase="admit_housekeeping") == 0  # seeded, never charged here
+    assert not [s for f in fam.values() for s in f.samples if s.labels.get("phase") in ("step", "idle")]
 
 
 def test_counters_gauges_and_no_double_counting():

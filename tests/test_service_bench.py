@@ -91,4 +91,6 @@ def test_the_benchmark_runs_the_whole_path_and_its_checks_hold(tmp_path):
     # a run of 2 requests x <= 5 tokens is a few steps, each taking some time.
     for steps in res["service_steps"] + res["raw_steps"]:
         assert 2 <= steps["steps"] <= 20 and steps["step_s"] > 0
-    assert "engine steps," in proc.stdout
+    for steps in res["service_steps"]:  # the worker's own loop, by phase (worker_loop_seconds_total)
+        assert steps["publish"] > 0 and steps["cancel_check"] > 0
+    assert "engine steps," in proc.stdout and "the worker's own ms per step: publish" in proc.stdout

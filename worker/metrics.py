@@ -43,6 +43,10 @@ log = logging.getLogger("kiviq.metrics")
 
 PREFIX = "kiviq:"
 OUTCOMES = ("finished", "failed", "cancelled", "timeout")
+# The worker's own work between engine steps while jobs run (BatchWorker.serve):
+# the step's events and rq endings into Redis, the cancel flags, admission and
+# heartbeats. Counted per phase so a slow service shows where its time goes.
+LOOP_PHASES = ("publish", "cancel_check", "admit_housekeeping")
 RATE_WINDOW_S = 10.0  # rolling window of the tokens/s and step-time gauges
 JOBS_WINDOW_S = 60.0  # "last minute" job counts (kiviq top's jobs/min)
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -90,6 +94,20 @@ def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
             return lower + (bound - lower) * ((rank - prev) / inside if inside else 0.0)
         lower, prev = bound, cum
     return None
+
+
+class PhaseClock:
+    """Seconds per named phase of one loop iteration: ``lap(phase)`` charges the
+    time since the previous lap (or since the clock was made) to ``phase``."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.spent[phase] = self.spent.get(phase, 0.0) + now - self._t
+        self._t = now
 
 
 @dataclass
@@ -200,6 +218,8 @@ class WorkerMetrics:
         for q in queue_names():
             self.queue_time.labels(model_name, q)
         self.step_time = histogram("step_duration_seconds", "Duration of one engine step.", STEP_BUCKETS)
+        self.loop_time = counter("worker_loop_seconds_total", "Seconds of the worker's own work around engine "
+                                 "steps while jobs run, by phase (PhaseClock).", ("phase",), seed=LOOP_PHASES)
         self.prompt_len = histogram("request_prompt_tokens", "Prompt tokens per ended request.", TOKEN_COUNT_BUCKETS)
         self.gen_len = histogram("request_generation_tokens", "Generated tokens per ended request.",
                                  TOKEN_COUNT_BUCKETS)
@@ -323,6 +343,13 @@ class WorkerMetrics:
             self.requeued.inc()
             self._n["requeued"] += 1
             self._settle_after_end()
+
+    def worker_loop(self, spent: dict[str, float]) -> None:
+        """One worker loop iteration that stepped the engine: its own phases
+        (``PhaseClock.spent``; the step itself is ``step_duration_seconds``)."""
+        for phase in LOOP_PHASES:
+            if spent.get(phase):
+                self.loop_time.labels(self.model_name, phase).inc(spent[phase])
 
     def observe_engine_step(self, engine: Any, duration_s: float) -> None:
         """``step(...)`` with the numbers read off ``engine``: deltas of

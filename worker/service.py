@@ -40,6 +40,7 @@ from kiviq.jobs.publisher import EventPublisher
 from kiviq.jobs.validation import validate_request
 from kiviq.worker import claims
 from kiviq.worker.prompts import build_request
+from kiviq.worker.metrics import PhaseClock
 from kiviq.worker.recovery import ALIVE_TTL_S, RECOVERY_LOCK_MS, mark_alive, mark_dead, requeue_orphans
 
 log = logging.getLogger("kiviq.worker")
@@ -132,20 +133,29 @@ class BatchWorker(SimpleWorker):
         try:
             while True:
                 try:
+                    clock = PhaseClock()  # the worker's own time around each step (metrics)
                     self._flush_outbox()
+                    clock.lap("publish")
                     if self._stop_at is not None and (not self.active or time.monotonic() >= self._stop_at):
                         break
+                    idle = not self.active
                     self._housekeeping()
                     self._sync_state()
                     if self._stop_at is None:
-                        self._admit(block=not self.active and not burst)
+                        self._admit(block=idle and not burst)
+                    clock.lap("idle" if idle else "admit_housekeeping")
                     if not self.active:
                         if burst and self.engine.num_active == 0:
                             break
                         continue
                     self._check_cancels()
+                    clock.lap("cancel_check")
                     self._step()
+                    clock.lap("step")
                     self._flush_outbox()
+                    clock.lap("publish")
+                    if self.metrics is not None:
+                        self.metrics.worker_loop(clock.spent)
                     backoff = 0.5
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
                     log.error("Redis unreachable (%s); retrying in %.1f s", type(e).__name__, backoff)
