@@ -324,7 +324,7 @@ def report(out: dict) -> str:
             wall = out["service" if arm == "service" else "raw"][k]["wall_s"]
             n = int(st["steps"])
             if n:
-                own = {k: v for k, v in st.items() if k not in ("steps", "step_s")}
+                own = {phase: s for phase, s in st.items() if phase not in ("steps", "step_s")}
                 lines.append(f"- {arm} run {k + 1}: {n} engine steps, {st['step_s'] / n * 1e3:.2f} ms "
                              f"each in the step (engine.step{' and its events' if arm == 'service' else ''}), "
                              f"{wall / n * 1e3:.2f} ms apart over the run"
