@@ -324,12 +324,14 @@ def report(out: dict) -> str:
             wall = out["service" if arm == "service" else "raw"][k]["wall_s"]
             n = int(st["steps"])
             if n:
-                own = {phase: s for phase, s in st.items() if phase not in ("steps", "step_s")}
+                own = {phase: s for phase, s in st.items() if phase not in ("steps", "step_s", "outbox_publish")}
                 lines.append(f"- {arm} run {k + 1}: {n} engine steps, {st['step_s'] / n * 1e3:.2f} ms "
                              f"each in the step (engine.step{' and its events' if arm == 'service' else ''}), "
                              f"{wall / n * 1e3:.2f} ms apart over the run"
                              + ("; the worker's own ms per step: " + ", ".join(
-                                 f"{phase} {s / n * 1e3:.2f}" for phase, s in own.items()) if own else ""))
+                                 f"{phase} {s / n * 1e3:.2f}" for phase, s in own.items()) if own else "")
+                             + (f"; its outbox thread publishing {st['outbox_publish'] / n * 1e3:.2f} (off the "
+                                "engine's thread)" if "outbox_publish" in st else ""))
     for name, c in out["checks"].items():
         verdict = "not checked" if not c["checked"] else "ok" if c["ok"] else \
             f"FAILED ({len(c['problems'])})" if c["exact"] else \

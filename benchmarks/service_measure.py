@@ -221,7 +221,8 @@ def worker_steps(metrics_url: str) -> dict[str, float]:
     """What the worker's Prometheus endpoint says so far: its engine steps
     (``steps``) and the seconds they took (``step_s``: ``engine.step`` plus turning
     the step's events into messages), and the seconds of its own loop around them
-    by phase (``worker_loop_seconds_total``: publish, cancel_check, ...)."""
+    by phase (``worker_loop_seconds_total``: publish, cancel_check, ...), and the
+    outbox thread's publishing (``outbox_publish``, off the engine's thread)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
@@ -233,6 +234,8 @@ def worker_steps(metrics_url: str) -> dict[str, float]:
                 out["steps"] += sample.value
             elif sample.name.endswith("step_duration_seconds_sum"):
                 out["step_s"] += sample.value
+            elif sample.name.endswith("outbox_publish_seconds_sum"):
+                out["outbox_publish"] = out.get("outbox_publish", 0.0) + sample.value
             elif sample.name.endswith("worker_loop_seconds_total"):
                 phase = sample.labels["phase"]
                 out[phase] = out.get(phase, 0.0) + sample.value

@@ -19,7 +19,8 @@ do meanwhile.
 ``--parts`` times the two Redis calls the worker makes every step on their own, as
 it makes them: publishing one token event per running job
 (``jobs.publisher.EventPublisher``) and the cancel check
-(``BatchWorker._check_cancels``, on a stand-in holding ``--jobs`` active jobs).
+(``worker.outbox.flagged_for_cancel`` over ``--jobs`` running jobs). Both run on
+the worker's outbox thread.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from kiviq.engine.request import StepEvent  # noqa: E402
 from kiviq.jobs.models import EventType, StreamEvent  # noqa: E402
 from kiviq.jobs.publisher import EventPublisher  # noqa: E402
 from kiviq.worker.metrics import WorkerMetrics  # noqa: E402
+from kiviq.worker.outbox import flagged_for_cancel  # noqa: E402
 from kiviq.worker.service import BatchWorker  # noqa: E402
 
 
@@ -136,21 +138,11 @@ def loop_runs(args, url: str, listener) -> tuple[list[list], Any]:
     return rows, profile
 
 
-class CancelCheck:
-    """Just enough of a BatchWorker for its ``_check_cancels``: the active jobs
-    (none cancelled, the usual case) and the connection."""
-
-    def __init__(self, connection: Redis, job_ids: list[str]):
-        self.connection, self.active = connection, dict.fromkeys(job_ids)
-
-    check = BatchWorker._check_cancels
-
-
 def part_costs(args, url: str, listener, warmup: int = 50) -> list[list]:
     """``--parts``: ms per call of the step's publish and cancel check."""
     redis = Redis.from_url(url)
     jobs = [f"{i:08x}-5c1e-4c6b-9a8e-{i:012x}" for i in range(args.jobs)]
-    publisher, check = EventPublisher(redis), CancelCheck(redis, jobs).check
+    publisher = EventPublisher(redis)
 
     def publish(step: int) -> None:
         publisher.publish([StreamEvent(job_id=j, seq=step, type=EventType.token, text=" the", token_ids=[279])
@@ -159,7 +151,7 @@ def part_costs(args, url: str, listener, warmup: int = 50) -> list[list]:
             drain(listener)
 
     rows = []
-    for name, fn in (("publish the step's events", publish), ("cancel check", lambda _: check())):
+    for name, fn in (("publish the step's events", publish), ("cancel check", lambda _: flagged_for_cancel(redis, jobs))):
         ms = []
         for i in range(warmup + args.steps):
             t = time.perf_counter()

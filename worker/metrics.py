@@ -43,9 +43,10 @@ log = logging.getLogger("kiviq.metrics")
 
 PREFIX = "kiviq:"
 OUTCOMES = ("finished", "failed", "cancelled", "timeout")
-# The worker's own work between engine steps while jobs run (BatchWorker.serve):
-# the step's events and rq endings into Redis, the cancel flags, admission and
-# heartbeats. Counted per phase so a slow service shows where its time goes.
+# The worker's own work between engine steps while jobs run (BatchWorker.serve), on
+# the engine's thread: handing the step's events to the outbox and running rq
+# endings, applying cancellations, admission and heartbeats. Counted per phase so a
+# slow service shows where its time goes; the outbox thread's publishing is apart.
 LOOP_PHASES = ("publish", "cancel_check", "admit_housekeeping")
 RATE_WINDOW_S = 10.0  # rolling window of the tokens/s and step-time gauges
 JOBS_WINDOW_S = 60.0  # "last minute" job counts (kiviq top's jobs/min)
@@ -220,6 +221,8 @@ class WorkerMetrics:
         self.step_time = histogram("step_duration_seconds", "Duration of one engine step.", STEP_BUCKETS)
         self.loop_time = counter("worker_loop_seconds_total", "Seconds of the worker's own work around engine "
                                  "steps while jobs run, by phase (PhaseClock).", ("phase",), seed=LOOP_PHASES)
+        self.outbox_time = histogram("outbox_publish_seconds", "One step's events published to Redis by the outbox "
+                                     "thread (off the engine's thread).", STEP_BUCKETS)
         self.prompt_len = histogram("request_prompt_tokens", "Prompt tokens per ended request.", TOKEN_COUNT_BUCKETS)
         self.gen_len = histogram("request_generation_tokens", "Generated tokens per ended request.",
                                  TOKEN_COUNT_BUCKETS)
@@ -350,6 +353,10 @@ class WorkerMetrics:
         for phase in LOOP_PHASES:
             if spent.get(phase):
                 self.loop_time.labels(self.model_name, phase).inc(spent[phase])
+
+    def outbox_publish(self, seconds: float) -> None:
+        """The outbox thread published one step's events in ``seconds``."""
+        self.outbox_time.observe(max(0.0, seconds))
 
     def observe_engine_step(self, engine: Any, duration_s: float) -> None:
         """``step(...)`` with the numbers read off ``engine``: deltas of

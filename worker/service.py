@@ -8,9 +8,11 @@ place of ``Queue.dequeue_any``, which can lose a job to a kill),
 ``handle_job_success`` / ``handle_job_failure`` / ``Job.cancel`` when its
 sequence ends, and ``maintain_heartbeats`` while it runs.
 
-Everything a step produces (events, then rq endings) goes through an outbox
-that is flushed before the engine may step again: if Redis goes away the
-worker waits and retries with backoff, and nothing it generated is lost.
+A step's events go to Redis through an outbox whose thread publishes them
+(and reads cancel flags) while the engine computes the next step; a job's rq
+ending runs here once its final event is published. If Redis goes away the
+outbox retries with backoff and the engine stops a step or two ahead of it:
+nothing it generated is lost (``worker.outbox``).
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ from rq.worker import WorkerStatus
 from kiviq.engine.setup import context_length
 from kiviq.jobs.keys import TASK_PATH, cancel_flag, max_queued_key, queue_names, replay_log
 from kiviq.jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, Timing, TokenLogprob, TopLogprob, Usage
-from kiviq.jobs.publisher import EventPublisher
 from kiviq.jobs.validation import validate_request
 from kiviq.worker import claims
 from kiviq.worker.prompts import build_request
 from kiviq.worker.metrics import PhaseClock
+from kiviq.worker.outbox import Outbox
 from kiviq.worker.recovery import ALIVE_TTL_S, RECOVERY_LOCK_MS, mark_alive, mark_dead, requeue_orphans
 
 log = logging.getLogger("kiviq.worker")
@@ -99,11 +101,12 @@ class BatchWorker(SimpleWorker):
         self.max_queued = max_queued
         self.max_attempts = max_attempts
         self.metrics = metrics
-        self.publisher = EventPublisher(connection)
+        self.outbox: Outbox | None = None  # made in serve(): its thread lives as long as serving
         self.active: dict[str, ActiveJob] = {}
         self._outbox_events: list[StreamEvent] = []
-        # (job id, rq bookkeeping): the job's claim is released once it ran.
-        self._outbox_endings: list[tuple[str, Callable[[], None]]] = []
+        # (job id, rq bookkeeping, the put its final event is in): run once that put
+        # is published, then the job's claim is released.
+        self._outbox_endings: list[tuple[str, Callable[[], None], int]] = []
         self._last_heartbeat = 0.0
         self._last_recovery = 0.0
         self._stop_at: float | None = None
@@ -130,6 +133,7 @@ class BatchWorker(SimpleWorker):
         # Claims under this name already are from an earlier worker that used it.
         requeue_orphans(self.connection, self.queues, max_attempts=self.max_attempts, own=self.name,
                         wait_s=RECOVERY_LOCK_MS / 1000)
+        self.outbox = Outbox(self.connection, on_publish=self.metrics.outbox_publish if self.metrics else None)
         try:
             while True:
                 try:
@@ -139,6 +143,9 @@ class BatchWorker(SimpleWorker):
                     if self._stop_at is not None and (not self.active or time.monotonic() >= self._stop_at):
                         break
                     idle = not self.active
+                    if idle and self._outbox_endings:  # nothing to overlap: record the endings now
+                        self.outbox.wait_published()
+                        self._run_endings()
                     self._housekeeping()
                     self._sync_state()
                     if self._stop_at is None:
@@ -148,11 +155,11 @@ class BatchWorker(SimpleWorker):
                         if burst and self.engine.num_active == 0:
                             break
                         continue
-                    self._check_cancels()
+                    self._apply_cancels()
                     clock.lap("cancel_check")
                     self._step()
                     clock.lap("step")
-                    self._flush_outbox()
+                    self._flush_outbox(after_step=True)
                     clock.lap("publish")
                     if self.metrics is not None:
                         self.metrics.worker_loop(clock.spent)
@@ -164,6 +171,8 @@ class BatchWorker(SimpleWorker):
         finally:
             try:
                 self._flush_outbox()
+                self.outbox.close()
+                self._run_endings()
                 self._requeue_all()
                 mark_dead(self.connection, self.name)
                 self.teardown()
@@ -196,7 +205,7 @@ class BatchWorker(SimpleWorker):
                 self.maintain_heartbeats(active.job, active.execution)
         if t - self._last_recovery >= RECOVERY_EVERY_S:
             self._last_recovery = t
-            running = set(self.active) | {job_id for job_id, _ in self._outbox_endings}
+            running = set(self.active) | {job_id for job_id, _, _ in self._outbox_endings}
             requeue_orphans(self.connection, self.queues, max_attempts=self.max_attempts, own=self.name,
                             running=running)
         if self.should_run_maintenance_tasks:
@@ -240,7 +249,7 @@ class BatchWorker(SimpleWorker):
         if error is None:
             self.prepare_job_execution(job)
         job.started_at = now()
-        active = ActiveJob(job, queue, execution, self.publisher.next_seq(job.id))
+        active = ActiveJob(job, queue, execution, self.outbox.publisher.next_seq(job.id))
         self.active[job.id] = active
         if self.metrics is not None:  # taken from its queue: admitted, whatever happens next
             self.metrics.job_admitted(job.id, self._queue_wait(job), queue.name)
@@ -298,19 +307,12 @@ class BatchWorker(SimpleWorker):
 
     # ---- stepping --------------------------------------------------------
 
-    def _check_cancels(self) -> None:
-        ids = list(self.active)
-        # One EXISTS over every flag answers the usual case (none) in one command;
-        # only then is each asked on its own.
-        if not ids or not self.connection.exists(*(cancel_flag(job_id) for job_id in ids)):
-            return
-        with self.connection.pipeline(transaction=False) as pipe:
-            for job_id in ids:
-                pipe.exists(cancel_flag(job_id))
-            flags = pipe.execute()
-        for job_id, flagged in zip(ids, flags):
-            if flagged:
-                self._cancel(self.active[job_id])
+    def _apply_cancels(self) -> None:
+        """Cancel the jobs whose flag the outbox saw (one step after the client set it)."""
+        for job_id in self.outbox.take_cancels():
+            active = self.active.get(job_id)
+            if active is not None:
+                self._cancel(active)
 
     def _step(self) -> None:
         started = time.monotonic()
@@ -364,13 +366,23 @@ class BatchWorker(SimpleWorker):
         active.next_seq += 1
         return event
 
-    def _flush_outbox(self) -> None:
-        """Publish pending events, then run pending rq endings, in order."""
-        if self._outbox_events:
-            self.publisher.publish(self._outbox_events)
+    def _flush_outbox(self, after_step: bool = False) -> None:
+        """Hand pending events to the outbox (after a step, with the running
+        jobs, whose cancel flags it then reads), then run the rq endings whose
+        events Redis holds."""
+        if self._outbox_events or after_step:
+            self.outbox.put(self._outbox_events, list(self.active) if after_step else ())
             self._outbox_events = []
-        while self._outbox_endings:
-            job_id, record = self._outbox_endings[0]
+        self._run_endings()
+
+    def _next_put(self) -> int:
+        """The outbox put that will hold every event made so far."""
+        return self.outbox.last_put + (1 if self._outbox_events else 0)
+
+    def _run_endings(self) -> None:
+        published = self.outbox.published
+        while self._outbox_endings and self._outbox_endings[0][2] <= published:
+            job_id, record, _ = self._outbox_endings[0]
             record()
             claims.release(self.connection, self.name, job_id)
             self._outbox_endings.pop(0)
@@ -434,7 +446,7 @@ class BatchWorker(SimpleWorker):
                                     started_job_registry=active.queue.started_job_registry,
                                     execution=active.execution)
 
-        self._outbox_endings.append((job.id, record))
+        self._outbox_endings.append((job.id, record, self._next_put()))
 
     def _record_failure(self, active: ActiveJob, message: str) -> None:
         job = active.job
@@ -444,7 +456,7 @@ class BatchWorker(SimpleWorker):
             self.handle_execution_ended(job, active.queue, job.failure_callback_timeout)
             self.handle_job_failure(job, active.queue, exc_string=message, execution=active.execution)
 
-        self._outbox_endings.append((job.id, record))
+        self._outbox_endings.append((job.id, record, self._next_put()))
 
     def _finish_failed(self, active: ActiveJob, message: str) -> None:
         job = active.job
@@ -471,7 +483,7 @@ class BatchWorker(SimpleWorker):
             if job.get_status(refresh=True) != JobStatus.CANCELED:
                 job.cancel()
 
-        self._outbox_endings.append((job.id, record))
+        self._outbox_endings.append((job.id, record, self._next_put()))
         self._ended(active, "cancelled")
         log.info("job %s cancelled after %d tokens", job.id, len(active.token_ids))
 
@@ -485,7 +497,8 @@ class BatchWorker(SimpleWorker):
             pipe.hset(job.key, mapping={"status": JobStatus.FAILED.value, "exc_info": message})
             claims.release(pipe, self.name, job_id)
             pipe.execute()
-        self.publisher.publish([StreamEvent(job_id=job_id, seq=self.publisher.next_seq(job_id),
+        publisher = self.outbox.publisher
+        publisher.publish([StreamEvent(job_id=job_id, seq=publisher.next_seq(job_id),
                                             type=EventType.error, finish_reason=FinishReason.error, error=message)])
         if self.metrics is not None:  # taken from a queue and ended: counted like any other job
             self.metrics.job_admitted(job_id, 0.0, queue.name)
