@@ -22,14 +22,11 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import timezone
 from typing import Any
 
 import redis
 from rq import Queue, SimpleWorker
 from rq.exceptions import DeserializationError, NoSuchJobError
-from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.utils import now
@@ -37,9 +34,10 @@ from rq.worker import WorkerStatus
 
 from kiviq.engine.setup import context_length
 from kiviq.jobs.keys import TASK_PATH, cancel_flag, max_queued_key, queue_names, replay_log
-from kiviq.jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, Timing, TokenLogprob, TopLogprob, Usage
+from kiviq.jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, TokenLogprob, TopLogprob
 from kiviq.jobs.validation import validate_request
 from kiviq.worker import claims
+from kiviq.worker.active_job import ActiveJob, describe_error, queue_wait
 from kiviq.worker.prompts import build_request
 from kiviq.worker.metrics import PhaseClock
 from kiviq.worker.outbox import Outbox
@@ -51,27 +49,6 @@ HEARTBEAT_EVERY_S = min(5.0, ALIVE_TTL_S / 3)
 RECOVERY_EVERY_S = float(os.environ.get("KIVIQ_RECOVERY_EVERY_S", "30"))
 IDLE_DEQUEUE_TIMEOUT_S = 1  # waiting for a job while idle; short so signals are seen
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinities)
-
-
-def describe_error(error: Exception) -> str:
-    """One line a user can act on: the exception type and message."""
-    return f"{type(error).__name__}: {error}"
-
-
-@dataclass
-class ActiveJob:
-    """A job whose sequence is in the engine."""
-
-    job: Job
-    queue: Queue
-    execution: Execution
-    next_seq: int
-    admitted_at: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    prompt_tokens: int = 0
-    logprobs: list[TokenLogprob] | None = None  # a list when the request asked for them
 
 
 class BatchWorker(SimpleWorker):
@@ -252,7 +229,7 @@ class BatchWorker(SimpleWorker):
         active = ActiveJob(job, queue, execution, self.outbox.publisher.next_seq(job.id))
         self.active[job.id] = active
         if self.metrics is not None:  # taken from its queue: admitted, whatever happens next
-            self.metrics.job_admitted(job.id, self._queue_wait(job), queue.name)
+            self.metrics.job_admitted(job.id, queue_wait(job), queue.name)
         if self._already_ended(active):
             return
         if active.next_seq > 0:  # a requeued job: clients drop what they saw
@@ -389,33 +366,6 @@ class BatchWorker(SimpleWorker):
 
     # ---- endings ---------------------------------------------------------
 
-    @staticmethod
-    def _queue_wait(job: Job) -> float:
-        if not (job.enqueued_at and job.started_at):
-            return 0.0
-        enq = job.enqueued_at.replace(tzinfo=job.started_at.tzinfo or timezone.utc)
-        return max(0.0, (job.started_at - enq).total_seconds())
-
-    def _result(self, active: ActiveJob, reason: FinishReason) -> GenerationResult:
-        end = time.monotonic()
-        first = active.first_token_at
-        n = len(active.token_ids)
-        decode_tps = (n - 1) / (end - first) if first and n > 1 and end > first else 0.0
-        return GenerationResult(
-            job_id=active.job.id,
-            text="".join(active.text),
-            token_ids=active.token_ids,
-            finish_reason=reason,
-            usage=Usage(prompt_tokens=active.prompt_tokens, completion_tokens=n),
-            logprobs=active.logprobs,
-            timing=Timing(
-                queue_s=self._queue_wait(active.job),
-                ttft_s=(first - active.admitted_at) if first else 0.0,
-                total_s=end - active.admitted_at,
-                decode_tokens_per_s=decode_tps,
-            ),
-        )
-
     def _ended(self, active: ActiveJob, outcome: str, finish_reason: FinishReason | None = None) -> None:
         self.active.pop(active.job.id, None)
         self.ended += 1
@@ -428,7 +378,7 @@ class BatchWorker(SimpleWorker):
                 self.metrics.kv_memory(store.used_bytes(), store.budget_bytes())
 
     def _finish_ok(self, active: ActiveJob, reason: FinishReason) -> None:
-        result = self._result(active, reason)
+        result = active.result(reason)
         self._outbox_events.append(self._event(active, EventType.done, finish_reason=reason, result=result))
         self._record_success(active, result)
         self._ended(active, "timeout" if reason == FinishReason.timeout else "finished", reason)
@@ -471,7 +421,7 @@ class BatchWorker(SimpleWorker):
         """Stop a job on a client's request: KV freed now, rq status canceled."""
         job = active.job
         self.engine.abort(job.id)
-        result = self._result(active, FinishReason.cancelled)
+        result = active.result(FinishReason.cancelled)
         self._outbox_events.append(self._event(active, EventType.done, finish_reason=FinishReason.cancelled,
                                                result=result))
 
