@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis
@@ -78,7 +78,7 @@ class Outbox:
 
     # ---- the worker's side -------------------------------------------------
 
-    def put(self, events: list[StreamEvent], active_ids: Sequence[str]) -> int:
+    def put(self, events: list[StreamEvent], active_ids: Iterable[str]) -> int:
         """Hand over one step's events (possibly none) and the jobs now running
         (whose cancel flags are read after the events are published). Blocks
         while ``max_pending`` steps wait. Returns this put's number."""
@@ -109,9 +109,9 @@ class Outbox:
             found, self._cancels = self._cancels, set()
             return found
 
-    def wait_published(self, upto: int | None = None, timeout: float | None = None) -> bool:
-        """Wait until put ``upto`` (default: the last) is published; False on timeout."""
-        upto = self._put if upto is None else upto
+    def wait_published(self, timeout: float | None = None) -> bool:
+        """Wait until every put so far is published; False on timeout."""
+        upto = self._put
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._published < upto and self._error is None:

@@ -348,7 +348,7 @@ class BatchWorker(SimpleWorker):
         jobs, whose cancel flags it then reads), then run the rq endings whose
         events Redis holds."""
         if self._outbox_events or after_step:
-            self.outbox.put(self._outbox_events, list(self.active) if after_step else ())
+            self.outbox.put(self._outbox_events, self.active if after_step else ())
             self._outbox_events = []
         self._run_endings()
 
