@@ -75,7 +75,7 @@ from kiviq.engine.kv_store import KiviStore, KVConfig  # noqa: E402
 from kiviq.engine.request import Request  # noqa: E402
 from kiviq.engine.scheduler import Scheduler  # noqa: E402
 from kiviq.engine.sequence import Sequence  # noqa: E402
-from kiviq.engine.setup import context_length  # noqa: E402
+from kiviq.engine.setup import GPU_BATCH_TOKENS, context_length  # noqa: E402
 
 GIB = 1 << 30
 # The engine's defaults (the worker passes neither): admission reserve, tokens per step.

@@ -7,14 +7,17 @@ computed from the stored values. Both kernels share `kivi_flush_block` (kivi.cuh
 they quantize alike by construction.
 
 * `flush_layers` (the engine's flush, all layers): `kivi_flush_fused`
-  (flush_fused.cu), one in-place launch per layer that reads the tails through the
-  flushing slots, writes the new blocks and shifts the tails; no graph node besides.
+  (flush_fused.cu), one in-place launch for up to MAX_FLUSH_LAYERS layers that reads
+  the tails through the flushing slots, writes the new blocks and shifts the tails;
+  no graph node besides.
 * `kivi_flush` (one pool, `dispatch.flush`) and the Metal backend: the gather path,
   `kivi_flush_quantize` (flush_quantize.cu) over gathered tail rows, its small
   outputs scattered into the pool with mlx ops (`kivi_reference.write_flushed`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import mlx.core as mx
 
@@ -25,13 +28,13 @@ from kiviq.kernels.layout import KiviPool
 
 FLUSH_INPUTS = ["rows_k", "rows_v", "params"]
 FLUSH_OUTPUTS = list(POOL_NAMES[:6])
-FLUSH_FUSED_INPUTS = [*POOL_NAMES, "slots", "ids", "params"]
+# Layers per fused flush launch: each brings its eight pool pointers as kernel parameters
+# (32 layers: 2 KiB, half of CUDA's classic 4 KiB limit); more layers take more launches.
+MAX_FLUSH_LAYERS = 32
+_C_TYPES = {"k_codes": "uint8_t", "v_codes": "uint8_t"}  # the rest are in the pool dtype, SD
 
 FLUSH_KERNEL = cuda_kernel("flush_quantize.cu", name="kivi_flush_quantize", input_names=FLUSH_INPUTS,
                            output_names=FLUSH_OUTPUTS)
-# ensure_row_contiguous off: MLX must pass the pool's own buffers, never a copy.
-FLUSH_FUSED_KERNEL = cuda_kernel("flush_fused.cu", name="kivi_flush_fused", input_names=FLUSH_FUSED_INPUTS,
-                                 output_names=["done"], ensure_row_contiguous=False)
 WRITE_BLOCKS_KERNEL = cuda_kernel("write_blocks.cu", name="kivi_write_blocks",
                                   input_names=[*POOL_NAMES[:6], "keys", "values", "first", "ids", "params"],
                                   output_names=["done"], ensure_row_contiguous=False)
@@ -76,26 +79,48 @@ def flush_launch(pool: KiviPool, rows_k, *, bits, group_size):
 
 
 def flush_meta(pool: KiviPool, slots: mx.array, ids: mx.array, blocks_per_slot: int = 1) -> tuple:
-    """(slots, ids, params) of `fused_flush` for every layer of a flush, as views of one
-    device array (`kernels.launch.packed_views`): read once per flush, not per layer."""
+    """(slots, ids, params) of the fused flush for every layer of a flush, as views of
+    one device array (`kernels.launch.packed_views`): read once per flush, not per layer."""
     _, h_kv, rg, _ = pool.tail_k.shape
     params = const((rg, h_kv, blocks_per_slot), mx.int32)
     return tuple(packed_views([slots, ids, params]))
 
 
-def fused_flush(pool: KiviPool, slots: mx.array, ids: mx.array, *, bits, group_size,
-                blocks_per_slot: int = 1, meta: tuple | None = None) -> mx.array:
-    """The in-place fused flush of one layer (flush_fused.cu says which ordering the
-    caller owns): k = blocks_per_slot new blocks per flushing slot at ``ids``, tails
-    shifted. `meta`: `flush_meta`'s result, made once for all layers.
-    Returns the launch's `done` array; evaluating it writes the pool."""
-    f, k = slots.shape[0], blocks_per_slot
-    _, h_kv, rg, d = pool.tail_k.shape
-    slots, ids, params = meta if meta is not None else flush_meta(pool, slots, ids, k)
-    return FLUSH_FUSED_KERNEL(
-        inputs=[*pool, slots, ids, params],
-        template=flush_template(pool, bits=bits, group_size=group_size),
-        grid=(f * h_kv * d, 1, 1), threadgroup=(d, 1, 1),
+def layer_prologue(layers: int) -> str:
+    """The fused flush kernel's generated first lines: k_codes .. tail_v point at layer
+    blockIdx.y's arrays, inputs k_codes_0 .. tail_v_{layers - 1}."""
+    text = "".join(f"const {_C_TYPES.get(n, 'SD')}* {n} = nullptr;\n" for n in POOL_NAMES)
+    cases = "".join(f"case {layer}: " + " ".join(f"{n} = {n}_{layer};" for n in POOL_NAMES) + " break;\n"
+                    for layer in range(layers))
+    return text + "switch (blockIdx.y) {\n" + cases + "}\n"
+
+
+def flush_input_names(layers: int) -> list[str]:
+    return [*(f"{n}_{layer}" for layer in range(layers) for n in POOL_NAMES), "slots", "ids", "params"]
+
+
+@functools.lru_cache(maxsize=None)
+def fused_flush_kernel(layers: int):
+    """The fused flush kernel over `layers` pools (None without MLX's CUDA backend): its
+    inputs are each layer's eight pool arrays, then slots, ids and params
+    (`flush_input_names`). MLX compiles one module per layer count."""
+    # ensure_row_contiguous off: MLX must pass the pools' own buffers, never a copy.
+    return cuda_kernel("flush_fused.cu", name=f"kivi_flush_fused_{layers}",
+                       input_names=flush_input_names(layers), output_names=["done"],
+                       ensure_row_contiguous=False, prologue=layer_prologue(layers))
+
+
+def fused_flush(pools: list[KiviPool], meta: tuple, *, bits, group_size) -> mx.array:
+    """The in-place fused flush of `pools` (of one shape and dtype) in one launch
+    (flush_fused.cu says which ordering the caller owns). `meta`: `flush_meta`'s
+    result, made once for all layers. Returns the launch's `done` array; evaluating
+    it writes the pools."""
+    slots = meta[0]
+    _, h_kv, _, d = pools[0].tail_k.shape
+    return fused_flush_kernel(len(pools))(
+        inputs=[*(a for pool in pools for a in pool), *meta],
+        template=flush_template(pools[0], bits=bits, group_size=group_size),
+        grid=(slots.shape[0] * h_kv * d, len(pools), 1), threadgroup=(d, 1, 1),
         output_shapes=[(1,)], output_dtypes=[mx.int32])[0]
 
 
@@ -129,8 +154,10 @@ def flush_layers(pools: list[KiviPool], slots: mx.array, ids: mx.array, *, bits:
     the pools) when this returns; else only started.
     """
     meta = flush_meta(pools[0], slots, ids, blocks_per_slot)  # one device copy for all layers
-    done = [fused_flush(pool, slots, ids, bits=bits, group_size=group_size, blocks_per_slot=blocks_per_slot,
-                        meta=meta) for pool in pools]
+    launches = -(-len(pools) // MAX_FLUSH_LAYERS)
+    per = -(-len(pools) // launches)  # launches of (nearly) one size: few compiled modules
+    done = [fused_flush(pools[i:i + per], meta, bits=bits, group_size=group_size)
+            for i in range(0, len(pools), per)]
     if wait:
         finish(done)
     else:
@@ -170,4 +197,5 @@ def kivi_flush(pool: KiviPool, slots, new_block_ids, tail_lens, *, bits: int, gr
     return gather_flush(FLUSH_KERNEL, pool, slots, new_block_ids, tail_lens, bits=bits, group_size=group_size)
 
 
-__all__ = ["flush_layers", "fused_flush", "gather_flush", "kernel_quantize", "kivi_flush"]
+__all__ = ["flush_layers", "fused_flush", "fused_flush_kernel", "gather_flush", "kernel_quantize", "kivi_flush",
+           "layer_prologue"]

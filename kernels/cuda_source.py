@@ -49,13 +49,13 @@ def read(name: str) -> str:
 HEADER = read("cuda/kivi.cuh") + read("cuda/kivi_mma.cuh")
 
 
-def cuda_kernel(file: str, *, name: str, input_names, output_names, **kw):
-    """`mx.fast.cuda_kernel` of the kernel body in kernels/cuda/`file`, compacted, with
-    the items of kernels/cuda/kivi.cuh and kivi_mma.cuh it reaches as its header; None
-    where MLX has no CUDA backend."""
+def cuda_kernel(file: str, *, name: str, input_names, output_names, prologue: str = "", **kw):
+    """`mx.fast.cuda_kernel` of the kernel body in kernels/cuda/`file` (after
+    `prologue`, generated code), compacted, with the items of kernels/cuda/kivi.cuh and
+    kivi_mma.cuh it reaches as its header; None where MLX has no CUDA backend."""
     if not cuda_available():
         return None
-    source = read("cuda/" + file)
+    source = prologue + read("cuda/" + file)
     return mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
                                source=compact(source), header=kernel_header(HEADER, source), **kw)
 

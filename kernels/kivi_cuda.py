@@ -10,7 +10,7 @@ writes in `kernels.cuda_flush`, launch planning shared with Metal in `kernels.la
 from __future__ import annotations
 
 from kiviq.kernels.cuda_attend import ATTEND_KERNEL, MERGE_KERNEL, AttendPlan, kivi_decode_attend
-from kiviq.kernels.cuda_flush import FLUSH_FUSED_KERNEL, WRITE_BLOCKS_KERNEL, flush_layers, kivi_flush, write_blocks
+from kiviq.kernels.cuda_flush import WRITE_BLOCKS_KERNEL, flush_layers, fused_flush_kernel, kivi_flush, write_blocks
 from kiviq.kernels.launch import HEAD_DIMS, POOL_DTYPES, flush_supports, split_plan, supports
 
 NAME = "cuda"
@@ -18,7 +18,7 @@ NAME = "cuda"
 
 def available() -> bool:
     """Whether the CUDA kernels are built here."""
-    return ATTEND_KERNEL is not None and FLUSH_FUSED_KERNEL is not None and WRITE_BLOCKS_KERNEL is not None
+    return ATTEND_KERNEL is not None and fused_flush_kernel(1) is not None and WRITE_BLOCKS_KERNEL is not None
 
 
 def attend_plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, *, scale: float,

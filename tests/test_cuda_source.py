@@ -15,6 +15,7 @@ import shutil
 import mlx.core as mx
 import pytest
 
+from kiviq.kernels.cuda_flush import layer_prologue
 from kiviq.kernels.cuda_offline import compile_and_count, find_cuobjdump, ptx_code, split_mma_unit
 from kiviq.kernels.cuda_source import HEADER, SOURCE_DIR, compact, kernel_header, read, top_level_items, translation_unit
 from kiviq.kernels.launch import POOL_NAMES
@@ -111,7 +112,8 @@ def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
          [("T", bf), ("D", 128), ("REP", 4), ("MAX_SPLITS", 1024), ("MERGE_WARPS", 16)]),
         ("flush", [("rows_k", bf), ("rows_v", bf), ("params", i32)], pool[:6],
          [("SD", bf), ("D", 128), ("G", 32), ("BITS", 2)]),
-        ("flush_fused", [*pool, ("slots", i32), ("ids", i32), ("params", i32)],
+        ("flush_fused", [(f"{n}_{layer}", dt) for layer in range(3) for n, dt in pool]
+         + [("slots", i32), ("ids", i32), ("params", i32)],
          [("done", i32)], [("SD", bf), ("D", 128), ("G", 32), ("BITS", 4)]),
         ("write_blocks", [*pool[:6], ("keys", bf), ("values", bf), ("first", i32), ("ids", i32), ("params", i32)],
          [("done", i32)], [("SD", bf), ("D", 128), ("G", 32), ("BITS", 2)]),
@@ -121,7 +123,7 @@ def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
 
     def ptx(i: int, pruned: bool) -> list[str]:
         kernel, inputs, outputs, template = cases[i]
-        source = SOURCES[kernel]
+        source = layer_prologue(3) + SOURCES[kernel] if kernel == "flush_fused" else SOURCES[kernel]
         header, text = (kernel_header(HEADER, source), compact(source)) if pruned else (HEADER, source)
         return ptx_code(translation_unit(kernel, header, text, inputs, outputs, template), str(tmp_path),
                         f"{kernel}_{i}_{'small' if pruned else 'full'}")

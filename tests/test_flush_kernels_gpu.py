@@ -10,6 +10,7 @@ import pytest
 
 from gpu_helpers import NEEDS_GPU, backend, to_np
 from kiviq.kernels import dispatch, kivi_cuda
+from kiviq.kernels.cuda_flush import MAX_FLUSH_LAYERS
 from kiviq.kernels.kivi_reference import flush_tails
 from kiviq.kernels.layout import KiviPool, allocate_pool
 
@@ -54,21 +55,22 @@ def test_flush_kernel_is_bit_exact(bits, dtype, g):
             assert np.array_equal(to_np(a), to_np(b)), f"{name} differs ({kind})"
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("bits,k,layers", [(2, 1, 3), (4, 1, 3), (2, 3, 3), (4, 3, 3),
+                                           (4, 1, MAX_FLUSH_LAYERS + 3)])
 @pytest.mark.gpu
 @NEEDS_GPU
-def test_multi_block_flush_of_all_layers_kernel_equals_reference(bits, k):
+def test_multi_block_flush_of_all_layers_kernel_equals_reference(bits, k, layers):
     """flush_layers with k blocks per slot (KVConfig.flush_blocks; the fused kernel on
-    CUDA, the gather path on Metal): every pool ends bit-identical to the reference."""
-    rng = np.random.default_rng(bits * 7 + k)
+    CUDA, the gather path on Metal): every pool ends bit-identical to the reference.
+    More layers than one launch takes (MAX_FLUSH_LAYERS) are two launches."""
+    rng = np.random.default_rng(bits * 7 + k + layers)
     g, dtype = 32, mx.bfloat16
     sets = []
     for use_kernel in (True, False):
         pools = [allocate_pool(16, 5, 2, 128, bits=bits, group_size=g, residual=R + (k - 1) * g, dtype=dtype)
-                 for _ in range(3)]
+                 for _ in range(layers)]
         sets.append((use_kernel, pools))
-    for layer in range(3):
+    for layer in range(layers):
         x = {n: _tails(rng, sets[0][1][0].tail_k.shape, "normal") for n in ("tail_k", "tail_v")}
         for _, pools in sets:
             for n, a in x.items():
@@ -79,7 +81,7 @@ def test_multi_block_flush_of_all_layers_kernel_equals_reference(bits, k):
     for use_kernel, pools in sets:
         dispatch.flush_layers(pools, slots, ids, lens, bits=bits, group_size=g, use_kernel=use_kernel,
                               blocks_per_slot=k)
-    for layer in range(3):
+    for layer in range(layers):
         for name, a, b in zip(KiviPool._fields, sets[0][1][layer], sets[1][1][layer]):
             assert np.array_equal(to_np(a), to_np(b)), f"layer {layer}: {name} differs"
 

@@ -1,19 +1,23 @@
-// The fused in-place flush (kivi_flush_fused), what flush_layers runs on CUDA.
-// Inputs: the layer's eight pool arrays, slots int32 [F] (the flushing slots), ids int32
-// [F * k] (their new blocks, k per slot, slot by slot), params int32 [T, H_kv, k]
-// (T = R + k*G, the tail rows). One thread block per (slot f, kv head h), one thread per
-// channel d: block blk of the slot is its tail rows blk*G .. blk*G + G - 1, written at
-// block ids[f * k + blk]; then, after a barrier (the value groups read other threads'
-// channels), the tails move down by k*G rows (kivi_shift_tails). Output: `done`, one
-// int32 nobody reads; evaluating it runs the launch.
-// The pool is written through its input pointers: MLX hands a kernel its inputs as
+// The fused in-place flush (kivi_flush_fused), what flush_layers runs on CUDA: every
+// layer of a step's flush in one launch.
+// Inputs: the eight pool arrays of each of L layers (k_codes_0 .. tail_v_0, k_codes_1,
+// ...; kernels.cuda_flush.fused_flush_kernel generates the prologue that points k_codes,
+// ..., tail_v at layer blockIdx.y's), slots int32 [F] (the flushing slots), ids int32
+// [F * k] (their new blocks, k per slot, slot by slot; the same in every layer), params
+// int32 [T, H_kv, k] (T = R + k*G, the tail rows). One thread block per (slot f, kv head
+// h, layer), one thread per channel d: block blk of the slot is its tail rows blk*G ..
+// blk*G + G - 1, written at block ids[f * k + blk]; then, after a barrier (the value
+// groups read other threads' channels), the tails move down by k*G rows
+// (kivi_shift_tails). Output: `done`, one int32 nobody reads; evaluating it runs the
+// launch.
+// The pools are written through their input pointers: MLX hands a kernel its inputs as
 // const pointers to the arrays' own buffers (no copy: the pool arrays are whole and
 // row-contiguous, and ensure_row_contiguous is off so MLX never substitutes a copy).
 // The writes are invisible to MLX's graph, so the caller (kernels.cuda_flush.flush_layers)
-// owns the ordering: every computation that reads the pool must already be evaluated or
-// enqueued (same stream, earlier graph) and nothing reads the pool in the flush's own
-// evaluation. One launch per layer instead of a quantize launch plus eight scatters
-// (~290 graph nodes a flush step at 36 layers, most of the host time a flush added).
+// owns the ordering: every computation that reads the pools must already be evaluated or
+// enqueued (same stream, earlier graph) and nothing reads them in the flush's own
+// evaluation. All layers in one launch: a launch per layer would cost MLX's host time
+// for a custom kernel (~12 us) per layer and run 36 small grids one after another.
   const int RG = params[0];
   const int H_kv = params[1];
   const int K = params[2];
@@ -32,4 +36,4 @@
   __syncthreads();
   // 16 rows per chunk: <= k*G for every G >= 16 (see kivi_shift_tails).
   kivi_shift_tails<SD, D, 16>(tk, tv, RG, K * G, d);
-  if (blockIdx.x == 0 && d == 0) done[0] = 0;
+  if (blockIdx.x == 0 && blockIdx.y == 0 && d == 0) done[0] = 0;
