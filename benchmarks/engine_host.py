@@ -89,8 +89,10 @@ def child(args) -> dict:
     b = args.batch
     gen = args.warmup + args.steps + 1
     kv = {"kv_flush_blocks": args.flush_blocks} if args.flush_blocks != 1 else {}  # old trees lack it
+    # Room for every sequence's tails (float32: 45 MiB each at the Qwen3-4B attention
+    # shape) and for their blocks.
     engine = build_engine(model, _ID_TOKENIZER, kv_bits=args.bits, max_sequences=b,
-                          kv_memory=4 << 30, max_batch_tokens=8192, **kv)
+                          kv_memory=(4 << 30) + b * (64 << 20), max_batch_tokens=8192, **kv)
     prompts = [mx.random.randint(0, args.vocab, (args.context + i,), key=mx.random.key(i)).tolist()
                for i in range(b)]
     marks: list[float] = []  # when the step's final eval (settle or launch) was called
