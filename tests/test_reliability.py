@@ -169,10 +169,11 @@ def test_redis_restart_mid_run_loses_no_job(start_worker, monkeypatch):
     try:
         wait_for(lambda: _pings(url), 10, "test redis")
         conn = Redis.from_url(url)
+        log = open(os.path.join(workdir, "worker.log"), "w+")
         worker = subprocess.Popen([os.sys.executable, "-m", "kiviq.worker", "--redis-url", url],
                                   cwd=os.path.dirname(os.path.dirname(__file__)),
                                   env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))),
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                  stdout=subprocess.DEVNULL, stderr=log)
         try:
             wait_for(lambda: _workers(conn) > 0, 180, "worker")
             client = Client(url)
@@ -188,7 +189,16 @@ def test_redis_restart_mid_run_loses_no_job(start_worker, monkeypatch):
             assert worker.poll() is None
         finally:
             worker.terminate()
-            worker.wait(timeout=30)
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+                log.seek(0)
+                pytest.fail("the worker did not exit within 30 s of SIGTERM; its log ends:\n"
+                            + "".join(log.readlines()[-25:]))
+            finally:
+                log.close()
     finally:
         server.kill()
         server.wait()

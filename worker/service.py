@@ -146,15 +146,18 @@ class BatchWorker(SimpleWorker):
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 10.0)
         finally:
+            started = time.monotonic()
             try:
                 self._flush_outbox()
                 self.outbox.close()
                 self._run_endings()
                 self._requeue_all()
                 mark_dead(self.connection, self.name)
+                log.info("shutdown: events published and jobs settled in %.1f s", time.monotonic() - started)
                 self.teardown()
             except redis.exceptions.RedisError as e:  # rq's cleanup requeues what we could not
                 log.error("shutdown bookkeeping failed: %s", e)
+            log.info("shutdown: done in %.1f s", time.monotonic() - started)
         return self.ended
 
     def _sync_state(self) -> None:
