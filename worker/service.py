@@ -17,10 +17,10 @@ nothing it generated is lost (``worker.outbox``).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +49,7 @@ log = logging.getLogger("kiviq.worker")
 HEARTBEAT_EVERY_S = min(5.0, ALIVE_TTL_S / 3)
 RECOVERY_EVERY_S = float(os.environ.get("KIVIQ_RECOVERY_EVERY_S", "30"))
 IDLE_DEQUEUE_TIMEOUT_S = 1  # waiting for a job while idle; short so signals are seen
+TEARDOWN_WAIT_S = 5.0  # rq's own cleanup at shutdown, at most (BatchWorker._teardown_within)
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinities)
 
 
@@ -155,29 +156,30 @@ class BatchWorker(SimpleWorker):
                 self._requeue_all()
                 mark_dead(self.connection, self.name)
                 log.info("shutdown: events published and jobs settled in %.1f s", time.monotonic() - started)
-                self.teardown()
+                self._teardown_within(TEARDOWN_WAIT_S)
             except redis.exceptions.RedisError as e:  # rq's cleanup requeues what we could not
                 log.error("shutdown bookkeeping failed: %s", e)
             log.info("shutdown: done in %.1f s", time.monotonic() - started)
         return self.ended
 
-    def unsubscribe(self) -> None:
-        """Stop listening on this worker's rq command channel, without waiting.
+    def _teardown_within(self, seconds: float) -> None:
+        """rq's teardown (its scheduler, its registry entry, the command channel) on a
+        daemon thread, waited for ``seconds``: the jobs are settled by then, and a Redis
+        client call stuck in there must not keep a stopped worker alive. Seen in CI:
+        rq's unsubscribe from its command channel, whose listener thread polls with a
+        60 s read, sat 60 s (redis-py 8.1); waking the listener first did not help
+        there, the publish itself waited."""
+        def run() -> None:
+            try:
+                self.teardown()
+            except redis.exceptions.RedisError as e:
+                log.error("shutdown: rq's teardown failed: %s", e)
 
-        rq's own unsubscribe sends UNSUBSCRIBE on the listener thread's connection
-        while that thread reads it, which with redis-py 8 can wait out the thread's
-        60 s poll (seen in CI: a SIGTERM'd worker took 60 s in it). Here the thread
-        is told to stop and woken by a message rq ignores (no command it knows); it
-        then closes its own connection, which ends the subscription."""
-        thread = getattr(self, "pubsub_thread", None)
-        if thread is None:
-            return
-        thread.stop()
-        try:
-            self.connection.publish(self.pubsub_channel_name, json.dumps({"command": "kiviq-stop-listening"}))
-        except redis.exceptions.RedisError:
-            pass  # Redis is away: the connection ends with the process (the thread is a daemon)
-        thread.join(timeout=1)
+        thread = threading.Thread(target=run, name="kiviq-rq-teardown", daemon=True)
+        thread.start()
+        thread.join(seconds)
+        if thread.is_alive():
+            log.warning("shutdown: rq's teardown still running after %.0f s; exiting without it", seconds)
 
     def _sync_state(self) -> None:
         """rq state: ``busy`` while sequences are active, ``idle`` otherwise
