@@ -165,10 +165,9 @@ class BatchWorker(SimpleWorker):
     def _teardown_within(self, seconds: float) -> None:
         """rq's teardown (its scheduler, its registry entry, the command channel) on a
         daemon thread, waited for ``seconds``: the jobs are settled by then, and a Redis
-        client call stuck in there must not keep a stopped worker alive. Seen in CI:
-        rq's unsubscribe from its command channel, whose listener thread polls with a
-        60 s read, sat 60 s (redis-py 8.1); waking the listener first did not help
-        there, the publish itself waited."""
+        client call stuck in there must not keep a stopped worker alive (rq's
+        unsubscribe from its command channel can wait out its listener thread's 60 s
+        read on redis-py 8.1)."""
         def run() -> None:
             try:
                 self.teardown()
