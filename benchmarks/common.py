@@ -119,7 +119,7 @@ def kv_budget(model, bits: int, tokens: list[int], flush_blocks: int = 1, slack_
     return sum(probe.blocks.slot_bytes + (-(-n // g) + slack_blocks) * probe.blocks.block_bytes for n in tokens)
 
 
-def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bits: int,
+def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bits: int, rotate: bool = False,
                      kv_bytes: int | None = None, flush_blocks: int = 1, compile_decode: bool = False,
                      pipeline: bool = False, max_sequences: int | None = None):
     """kiviq's engine with every prompt added and prefilled (no decode step yet).
@@ -136,6 +136,7 @@ def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bi
         compile_decode, pipeline: as in ``engine.build_engine`` (off here: a
             benchmark arm states what it runs).
         max_sequences: the store's tails (default: one per prompt).
+        rotate: K and V Hadamard-rotated (``--kv-bits 2r`` with bits=2).
 
     Raises:
         SystemExit: the budget did not hold the batch (a preemption).
@@ -150,7 +151,7 @@ def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bi
         room = max(gen, 64)  # admission asks for the engine's default 64-token reserve
         kv_bytes = kv_budget(model, bits, [len(p) + room for p in prompts] + [0] * (slots - b), flush_blocks,
                              slack_blocks=1)
-    engine = build_engine(model, tokenizer, kv_bits=bits, kv_flush_blocks=flush_blocks, max_sequences=slots,
+    engine = build_engine(model, tokenizer, kv_bits=bits, kv_rotate=rotate, kv_flush_blocks=flush_blocks, max_sequences=slots,
                           kv_memory=kv_bytes, max_batch_tokens=budget, compile_decode=compile_decode,
                           pipeline=pipeline, flat_qmm=False)  # an arm that wants it flattens the model itself
     for i, p in enumerate(prompts):

@@ -68,6 +68,7 @@ from benchmarks.common import (API_EVENTS, DEVICE_EVENTS, command, device_trace,
                                prefilled_engine, table)
 from benchmarks.trace_summary import print_host_profile, print_trace  # noqa: E402
 from benchmarks.engine import SHAPES, random_model  # noqa: E402
+from kiviq.engine.config import KV_BITS_NAMES, parse_kv_bits  # noqa: E402
 from kiviq.engine.flat_quantized import flat_quantized_matmuls  # noqa: E402
 from tests.engine_runs import IdTokenizer  # noqa: E402
 
@@ -108,8 +109,10 @@ class Arm:
                  "batchgen": set()}
         if name not in known or set(self.opts) - known[name] - {"flatqmm"}:
             raise SystemExit(f"--arm {spec}: expected kiviq[,flush_blocks=K]"
-                             "[,bits=B][,pipeline=1][,compile=1][,table=N][,slots=N], "
+                             "[,bits=B|2r][,pipeline=1][,compile=1][,table=N][,slots=N], "
                              "mlxlm[,pipeline=1] or batchgen, each optionally with ,flatqmm=1|0")
+        if self.opts.get("bits", "4") not in KV_BITS_NAMES:
+            raise SystemExit(f"--arm {spec}: bits must be one of {', '.join(KV_BITS_NAMES)}")
         self.pipelined = self.opts.get("pipeline", "0") == "1"
         self.flat_qmm = self.opts.get("flatqmm", "1" if name == "kiviq" else "0") == "1"
         self.model = None
@@ -125,7 +128,7 @@ class Arm:
         with self.flat():
             if self.name == "kiviq":
                 self._step = engine_steps(args, model, prompts, self.flushes, self.history,
-                                          bits=int(self.opts.get("bits", args.bits)),
+                                          bits=self.opts.get("bits", args.bits),
                                           flush_blocks=int(self.opts.get("flush_blocks", args.flush_blocks)),
                                           pipeline=self.pipelined, compile_decode=self.opts.get("compile") == "1",
                                           table_width_multiple=int(self.opts.get("table", 1)),
@@ -180,7 +183,7 @@ class Arm:
         return self.spec.replace(self.name, names[self.name], 1) if self.name in names else self.spec
 
 
-def engine_steps(args, model, prompts, flushes: list[int], history: list[list[int]], *, bits: int,
+def engine_steps(args, model, prompts, flushes: list[int], history: list[list[int]], *, bits: str,
                  flush_blocks: int, pipeline: bool, compile_decode: bool, table_width_multiple: int,
                  slots: int | None):
     """kiviq's engine, prefilled and warmed up: returns one step. ``flushes``
@@ -189,8 +192,9 @@ def engine_steps(args, model, prompts, flushes: list[int], history: list[list[in
     ``slots``: the store's tails (default B); a worker holds ``--max-sequences``
     (32) whatever the batch, and a write that cannot happen in place copies a
     layer's tails whole."""
+    kv_bits, rotate = parse_kv_bits(bits)  # '2r': 2-bit, K and V Hadamard-rotated
     engine = prefilled_engine(model, IdTokenizer(), prompts, args.warmup + args.rounds * args.steps + 2,
-                              bits=bits, flush_blocks=flush_blocks, compile_decode=compile_decode,
+                              bits=kv_bits, rotate=rotate, flush_blocks=flush_blocks, compile_decode=compile_decode,
                               max_sequences=slots)
     engine.pipeline = pipeline
     engine.kv_store.table_width_multiple = table_width_multiple
@@ -383,7 +387,7 @@ def across_processes(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arm", action="append", dest="arms", metavar="SPEC",
-                   help="repeatable: kiviq[,flush_blocks=K][,bits=B][,compile=1|0][,pipeline=1|0][,table=N] (kiviq's engine), "
+                   help="repeatable: kiviq[,flush_blocks=K][,bits=B|2r][,compile=1|0][,pipeline=1|0][,table=N] (kiviq's engine), "
                         "mlxlm (mlx-lm's own cache, one request, B=1) or batchgen (mlx-lm's BatchGenerator); "
                         "default kiviq")
     p.add_argument("--shape", default="qwen3-4b", choices=sorted(SHAPES))
@@ -392,7 +396,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16, help="timed steps per arm per round")
     p.add_argument("--rounds", type=int, default=1, help="rounds of interleaved timed blocks")
     p.add_argument("--warmup", type=int, default=8)
-    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--bits", default="4", choices=KV_BITS_NAMES, help="the KV cache, as --kv-bits names it")
     p.add_argument("--flush-blocks", type=int, default=1, dest="flush_blocks",
                    help="kiviq: KIVI blocks quantized per flush (KVConfig.flush_blocks)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

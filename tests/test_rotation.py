@@ -271,6 +271,20 @@ def test_engine_2r_with_nothing_quantized_equals_the_unrotated_store(smollm2):
     assert run_engine(engine_2r(model, tok), reqs()) != run_engine(engine_2r(model, tok, kv_rotate=False), reqs())
 
 
+def test_benchmarks_prefill_a_rotated_engine_at_2r(smollm2):
+    """benchmarks/step_trace.py's `bits=2r` arm: the benchmark's engine is the rotated
+    2-bit store (and `2` is not), prefilled with every prompt."""
+    from benchmarks.common import prefilled_engine
+
+    model, tok = smollm2
+    prompts = [[int(t) for t in tok.encode(f"prompt {i} " * (i + 2))] for i in range(2)]
+    for bits, rotate in (parse_kv_bits("2r"), parse_kv_bits("2")):
+        engine = prefilled_engine(model, tok, prompts, 2, bits=bits, rotate=rotate)
+        assert engine.kv_store.config.bits == 2 and engine.kv_store.config.rotate is rotate
+        assert (engine.kv_store.rotation is hadamard_rotate) is rotate
+        assert engine.stats["prefill_tokens"] == sum(map(len, prompts))
+
+
 def test_store_at_2r_agrees_with_the_simulation(smollm2):
     """benchmarks/kv_quant_sim.py's rot-kv (float32 K/V, rotate, fake-quantize, rotate
     back) and the real store at 2r (rotated pools, rotated q and output) agree on 640
