@@ -111,8 +111,10 @@ class Arm:
             raise SystemExit(f"--arm {spec}: expected kiviq[,flush_blocks=K]"
                              "[,bits=B|2r][,pipeline=1][,compile=1][,table=N][,slots=N], "
                              "mlxlm[,pipeline=1] or batchgen, each optionally with ,flatqmm=1|0")
-        if self.opts.get("bits", "4") not in KV_BITS_NAMES:
-            raise SystemExit(f"--arm {spec}: bits must be one of {', '.join(KV_BITS_NAMES)}")
+        try:  # (kv_bits, rotate): '2r' is 2-bit with K and V Hadamard-rotated
+            self.kv_bits = parse_kv_bits(self.opts.get("bits", args.bits))
+        except ValueError as e:
+            raise SystemExit(f"--arm {spec}: {e}") from None
         self.pipelined = self.opts.get("pipeline", "0") == "1"
         self.flat_qmm = self.opts.get("flatqmm", "1" if name == "kiviq" else "0") == "1"
         self.model = None
@@ -128,7 +130,7 @@ class Arm:
         with self.flat():
             if self.name == "kiviq":
                 self._step = engine_steps(args, model, prompts, self.flushes, self.history,
-                                          bits=self.opts.get("bits", args.bits),
+                                          kv_bits=self.kv_bits,
                                           flush_blocks=int(self.opts.get("flush_blocks", args.flush_blocks)),
                                           pipeline=self.pipelined, compile_decode=self.opts.get("compile") == "1",
                                           table_width_multiple=int(self.opts.get("table", 1)),
@@ -183,18 +185,18 @@ class Arm:
         return self.spec.replace(self.name, names[self.name], 1) if self.name in names else self.spec
 
 
-def engine_steps(args, model, prompts, flushes: list[int], history: list[list[int]], *, bits: str,
-                 flush_blocks: int, pipeline: bool, compile_decode: bool, table_width_multiple: int,
+def engine_steps(args, model, prompts, flushes: list[int], history: list[list[int]], *,
+                 kv_bits: tuple[int, bool], flush_blocks: int, pipeline: bool, compile_decode: bool, table_width_multiple: int,
                  slots: int | None):
     """kiviq's engine, prefilled and warmed up: returns one step. ``flushes``
     gets the number of flushing tails of every timed flush; ``history`` each
     sequence's tokens (a pipelined engine emits a step's tokens one step late).
     ``slots``: the store's tails (default B); a worker holds ``--max-sequences``
     (32) whatever the batch, and a write that cannot happen in place copies a
-    layer's tails whole."""
-    kv_bits, rotate = parse_kv_bits(bits)  # '2r': 2-bit, K and V Hadamard-rotated
+    layer's tails whole. ``kv_bits``: (bits, rotate) as ``parse_kv_bits`` gives them."""
+    bits, rotate = kv_bits
     engine = prefilled_engine(model, IdTokenizer(), prompts, args.warmup + args.rounds * args.steps + 2,
-                              bits=kv_bits, rotate=rotate, flush_blocks=flush_blocks, compile_decode=compile_decode,
+                              bits=bits, rotate=rotate, flush_blocks=flush_blocks, compile_decode=compile_decode,
                               max_sequences=slots)
     engine.pipeline = pipeline
     engine.kv_store.table_width_multiple = table_width_multiple
