@@ -46,7 +46,8 @@ class KVConfig:
     flush_blocks: int = 1
     # The cache lives in a rotated basis: K and V (and q) are multiplied by the
     # normalized Hadamard matrix along head_dim before anything is stored, and
-    # the attention output is rotated back (engine.kivi_cache, kernels.rotation).
+    # the attention output is rotated back (engine.kivi_cache, kernels.rotation;
+    # on CUDA inside the decode prologue and attention kernels).
     # Pools, flushes and kernels are those of `bits`; only the values differ.
     rotate: bool = False
 

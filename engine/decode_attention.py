@@ -3,8 +3,9 @@
 Why: a decode step is host-bound (MLX spends ~10 us of host time on every op it
 evaluates), and between a layer's fused q/k/v matmul and its attention mlx-lm
 runs seven small ops: three strided copies that split the product into heads,
-Qwen3's two q/k RMSNorms and two RoPEs. ``kernels.qk_rope`` does all of that in
-one launch and gives the same bits, so the tokens do not change.
+Qwen3's two q/k RMSNorms and two RoPEs (and a 2r cache three Hadamard rotations).
+``kernels.qk_rope`` does all of that in one launch and gives the same bits, so the
+tokens do not change.
 
 How: the attention modules of the families whose forward is exactly
 "projections, (norms), RoPE at the cache's offset, the shared attention helper,
@@ -60,13 +61,15 @@ def decode_forward(attn: nn.Module, x: mx.array, cache: KiviLayerCache) -> mx.ar
     if not isinstance(offsets, mx.array):  # one sequence, a plain step: an int, one array for all layers
         offsets = const((offsets,) * b, mx.int32)
     norm = attn.get("q_norm")
+    # A rotated (2r) store: the prologue rotates q, k and v into its basis in the same launch.
+    rotated = cache.store.rotation is not None
     q, k, v = attn._qk_prep(attn.qkv_proj(x), offsets, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,
                             rope_base=attn.rope.base, rope_scale=attn.rope.scale,
                             q_weight=None if norm is None else norm.weight,
                             k_weight=None if norm is None else attn.k_norm.weight,
-                            eps=0.0 if norm is None else norm.eps)
+                            eps=0.0 if norm is None else norm.eps, rotate=rotated)
     k, v = cache.update_and_fetch(k, v)
-    out = cache.attend(q, k, v, attn.scale)
+    out = cache.attend(q, k, v, attn.scale, rotated=rotated)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, 1, -1))
 
 

@@ -67,34 +67,39 @@ class KiviLayerCache:
         self._pending = (keys, values)
         return keys, values
 
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, *,
+               rotated: bool = False) -> mx.array:
         """Attention for this layer; commits keys/values [B, H_kv, L, D].
 
         A rotated store (``KVConfig.rotate``, ``--kv-bits 2r``) lives in the Hadamard
         basis: q, k and v are rotated along D on entry (``KiviStore.rotation``),
         every path below (decode, prefill chunks) stores and attends to rotated rows
-        only, and the output is rotated back. H is orthogonal and symmetric, so q.k
-        and softmax(qK^T) V H H are unchanged in exact arithmetic, and pools,
-        flushes and kernels need no change: they quantize and read whatever rows
-        they are given.
+        only, and the output is rotated back (by the decode kernel's launch, where
+        it runs). H is orthogonal and symmetric, so q.k and softmax(qK^T) V H H are
+        unchanged in exact arithmetic, and pools and flushes need no change: they
+        quantize whatever rows they are given. ``rotated``: q, k and v come already
+        rotated (the decode prologue kernel rotates them in its launch).
 
         Returns:
             [B, H_q, L, D].
         """
         rotate = self.store.rotation
-        if rotate is not None:
-            q, k, v = (rotate(x) for x in (queries, keys, values))
-            return rotate(self._attend(q, k, v, scale))
-        return self._attend(queries, keys, values, scale)
-
-    def _attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
-        """``attend`` in the store's basis."""
+        if rotate is None and rotated:
+            raise ValueError("rotated q, k, v given to a cache that is not rotated (kv_bits 2r)")
+        if rotate is not None and not rotated:
+            queries, keys, values = (rotate(x) for x in (queries, keys, values))
         self._pending = None
-        b, _, length, _ = queries.shape
-        if length == 1:
+        if queries.shape[2] == 1:
             batch = self.batch or self.store.begin_decode(self.seqs, self.layer)
-            # As the model made them ([B, H, 1, D]): no per-layer reshape nodes.
+            # As the model made them ([B, H, 1, D]): no per-layer reshape nodes; the
+            # output comes back in the model's basis (write_and_attend).
             return self.store.write_and_attend(self.layer, batch, queries, keys, values, scale)
+        out = self._prefill_attend(queries, keys, values, scale)
+        return out if rotate is None else rotate(out)
+
+    def _prefill_attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+        """A prefill chunk's attention (L > 1), in the store's basis."""
+        b = queries.shape[0]
         if self.prefill is not None:
             # First chunks attend to themselves only; with padding only after each
             # chunk, the causal mask alone keeps every real token from seeing it.

@@ -108,8 +108,9 @@ class KiviStore:
             check_rotation(head_dim)
         # The map from the model's basis into the pools' (None: the same basis); its
         # own inverse. Rotated pools hold K H and V H (KVConfig.rotate): the store
-        # writes, flushes and attends over them like any others, and its callers
-        # (KiviLayerCache.attend) rotate q, k and v on the way in and the output out.
+        # writes and flushes them like any others; its callers (KiviLayerCache.attend,
+        # the decode prologue kernel) rotate q, k and v on the way in, and the output
+        # goes out rotated back (decode: the attention launch's merge; prefill: the caller).
         self.rotation = hadamard_rotate if config.rotate else None
         self.config = config
         self.num_layers = num_layers
@@ -402,10 +403,11 @@ class KiviStore:
         layer and step, and no in-place condition to keep).
 
         Args:
-            q: [B, H_q, 1, D] (or [B, H_q, D]); k, v: [B, H_kv, 1, D] (or [B, H_kv, D]).
+            q: [B, H_q, 1, D] (or [B, H_q, D]); k, v: [B, H_kv, 1, D] (or [B, H_kv, D]),
+                in the pools' basis (``rotation`` applied).
 
         Returns:
-            q's shape.
+            q's shape, in the model's basis: a rotated store's output rotated back.
         """
         plan, self._kernel_writes_tails = self._plan(layer, batch, q, scale)
         pool = self.pools[layer]
@@ -423,7 +425,7 @@ class KiviStore:
             plan = attend_plan(
                 q.shape, q.dtype, self.pools[layer], batch.block_tables, batch.num_blocks, batch.slots,
                 batch.tail_lens, scale=scale, bits=self.config.bits, group_size=self.config.group_size,
-                use_kernel=self.use_kernel)
+                use_kernel=self.use_kernel, rotate_out=self.config.rotate)
             made = batch.plans[key] = (plan, writes_tail(plan))
         return made
 

@@ -23,7 +23,8 @@ CUDA backend.
    are read: block ids up to num_blocks, tail rows up to tail_len. No mask, no
    padding, no fp16 K/V in global memory.
 2. `kivi_attend_merge` (attend_merge.cu): one thread block per (b, query head), exact
-   log-sum-exp merge of the splits, output cast to q's dtype.
+   log-sum-exp merge of the splits, output cast to q's dtype; for a 2r pool
+   (`rotate_out`) the output row is then rotated back out of the Hadamard basis.
 
 A decode step builds the launches once for all layers (`AttendPlan`); each layer then
 only launches. The plan may also take the step's new token and have the tail split
@@ -115,7 +116,7 @@ class AttendPlan:
     __slots__ = ("split", "split_kw", "merge_kw", "meta", "meta_new", "params")
 
     def __init__(self, q_shape, q_dtype, pool: KiviPool, block_tables, num_blocks, slots,
-                 tail_lens, *, scale: float, bits: int, group_size: int):
+                 tail_lens, *, scale: float, bits: int, group_size: int, rotate_out: bool = False):
         out_shape = tuple(q_shape)
         q_shape = (q_shape[0], q_shape[1], q_shape[-1])
         b, h_q, d = q_shape
@@ -136,7 +137,7 @@ class AttendPlan:
         self.split_kw["template"] = template
         mw = merge_warps(nsu)
         self.merge_kw = dict(
-            template=merge_template + [("MERGE_WARPS", MERGE_WARPS)],
+            template=merge_template + [("MERGE_WARPS", MERGE_WARPS), ("ROTATE", int(rotate_out))],
             grid=(b * h_q * mw * 32, 1, 1),
             threadgroup=(mw * 32, 1, 1),
             output_shapes=[out_shape],

@@ -20,6 +20,7 @@ from kiviq.kernels import cuda_attend, kivi_cuda, kivi_metal
 from kiviq.kernels import kivi_reference
 from kiviq.kernels.kivi_reference import check_flush_args, decode_attention, flush_tails, gather_flush_layers
 from kiviq.kernels.layout import KiviPool
+from kiviq.kernels.rotation import hadamard_rotate
 
 
 def _built_module():
@@ -64,7 +65,8 @@ def backend(use_kernel: bool | None = None) -> str:
 
 def attend_plan(q_shape: tuple[int, ...], q_dtype: mx.Dtype, pool: KiviPool, block_tables: mx.array,
                 num_blocks: mx.array, slots: mx.array, tail_lens: mx.array, *, scale: float, bits: int,
-                group_size: int = 32, use_kernel: bool | None = None) -> Callable[..., mx.array]:
+                group_size: int = 32, use_kernel: bool | None = None,
+                rotate_out: bool = False) -> Callable[..., mx.array]:
     """`decode_attend` prepared once for many calls with the same metadata: the
     layers of one decode step. Returns `attend(q, pool)`; every pool it is called
     with must have `pool`'s shapes and dtypes (a model's layers do). Where
@@ -76,6 +78,10 @@ def attend_plan(q_shape: tuple[int, ...], q_dtype: mx.Dtype, pool: KiviPool, blo
 
     `q_shape` may also be the model's [B, H_q, 1, D] (one query per sequence, with
     its length axis): then `attend` takes and returns that shape.
+
+    `rotate_out`: the pool's rows live in the Hadamard basis (``--kv-bits 2r``) and the
+    output is rotated back (``kernels.rotation.hadamard_rotate``, the same bits
+    everywhere): by the CUDA merge kernel in its launch, elsewhere by one more op.
     """
     flat = tuple(q_shape)
     if len(flat) == 4:
@@ -89,14 +95,14 @@ def attend_plan(q_shape: tuple[int, ...], q_dtype: mx.Dtype, pool: KiviPool, blo
             if flat[0] == 0:
                 return lambda q, _pool: mx.zeros(q.shape, dtype=q.dtype)
             return mod.attend_plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens,
-                                   scale=scale, bits=bits, group_size=group_size)
+                                   scale=scale, bits=bits, group_size=group_size, rotate_out=rotate_out)
         if use_kernel:
             raise ValueError(f"use_kernel=True, but the kernel does not support {reason}")
 
     def attend(q, p):
         out = decode_attention(q.reshape(flat), p, block_tables, num_blocks, slots, tail_lens, scale=scale,
-                               bits=bits, group_size=group_size)
-        return out.reshape(q.shape)
+                               bits=bits, group_size=group_size).reshape(q.shape)
+        return hadamard_rotate(out) if rotate_out else out
     return attend
 
 

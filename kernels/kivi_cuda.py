@@ -22,11 +22,12 @@ def available() -> bool:
 
 
 def attend_plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, *, scale: float,
-                bits: int, group_size: int) -> AttendPlan:
+                bits: int, group_size: int, rotate_out: bool = False) -> AttendPlan:
     """The step's launches (`AttendPlan`): q as [B, H_q, D] or [B, H_q, 1, D]; the plan
-    takes the new token (`plan(q, pool, k_new, v_new)`) and writes it into the tail."""
+    takes the new token (`plan(q, pool, k_new, v_new)`) and writes it into the tail;
+    with `rotate_out` its merge rotates the output back (a 2r pool)."""
     return AttendPlan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens,
-                      scale=scale, bits=bits, group_size=group_size)
+                      scale=scale, bits=bits, group_size=group_size, rotate_out=rotate_out)
 
 
 __all__ = ["ATTEND_KERNEL", "HEAD_DIMS", "MERGE_KERNEL", "NAME", "POOL_DTYPES", "AttendPlan", "attend_plan",

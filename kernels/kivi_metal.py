@@ -39,6 +39,7 @@ from kiviq.kernels.launch import (
     supports,
 )
 from kiviq.kernels.layout import KiviPool
+from kiviq.kernels.rotation import hadamard_rotate
 
 NAME = "metal"
 
@@ -113,14 +114,15 @@ def kivi_flush(pool: KiviPool, slots, new_block_ids, tail_lens, *, bits: int,
 
 
 def attend_plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, *, scale: float,
-                bits: int, group_size: int):
+                bits: int, group_size: int, rotate_out: bool = False):
     """`attend(q, pool)` for the layers of one step; q as [B, H_q, D] or [B, H_q, 1, D].
-    It reads a tail the new token was already written into."""
+    It reads a tail the new token was already written into. `rotate_out`: the output
+    rotated back by one ``hadamard_rotate`` op (``dispatch.attend_plan``)."""
     def attend(q, p):
         flat = q.reshape(q.shape[0], q.shape[1], q.shape[-1])
         out = kivi_decode_attend(flat, p, block_tables, num_blocks, slots, tail_lens, scale=scale, bits=bits,
-                                 group_size=group_size)
-        return out.reshape(q.shape)
+                                 group_size=group_size).reshape(q.shape)
+        return hadamard_rotate(out) if rotate_out else out
     return attend
 
 

@@ -16,7 +16,8 @@ Hadamard pattern's alignment with structured channels.
 The store (``--kv-bits 2r``: ``KVConfig.rotate``) uses the plain normalized matrix
 through ``hadamard_rotate``: one ``mx.hadamard_transform`` op per tensor, no
 constant. H = H.T = H^-1, so the same call rotates into the cache's basis and back
-out of it. The simulation's ``rotate`` / ``unrotate`` keep their float32 matmuls.
+out of it. On CUDA the decode step does these rotations inside its kernels instead
+(``kivi_hadamard8`` in kernels/cuda/kivi.cuh, the same bits). The simulation's ``rotate`` / ``unrotate`` keep their float32 matmuls.
 """
 
 from __future__ import annotations
@@ -78,9 +79,10 @@ def hadamard_rotate(x: mx.array) -> mx.array:
     element over the row's RMS, u = unit roundoff of x's dtype): float32 input mean
     1.0 u, max 8 u (a float32 matmul with the matrix: mean 2-4 u, max 22-52 u);
     fp16/bf16 on the CPU backend, which adds in x's dtype stage by stage, mean 1.0 u,
-    max 10 u (one final rounding: mean 0.3 u, max 3.7 u). MLX's CUDA and Metal
-    kernels add in float32 and round once (read in MLX's source; not measured
-    here). Either way far below the 2-bit quantization error the rotation is there
+    max 10 u (one final rounding: mean 0.3 u, max 3.7 u). MLX's CUDA kernel adds
+    in float32 and rounds to x's dtype after each of its passes (radix 16, then
+    the rest) and after the scale: three roundings at n = 64..256 (read in MLX's
+    source; kernels/cuda/kivi.cuh reproduces it bit for bit). Either way far below the 2-bit quantization error the rotation is there
     to shrink; a float32 matmul would be no more exact and is as many ops.
     """
     return mx.hadamard_transform(x)

@@ -109,7 +109,11 @@ def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
         ("split", attend_in, attend_out,
          [("T", bf), ("SD", bf), ("D", 64), ("G", 16), ("BITS", 8), ("REP", 3), ("NW", 4)]),
         ("merge", [("part_acc", f32), ("part_ml", f32), ("params", i32)], [("out", bf)],
-         [("T", bf), ("D", 128), ("REP", 4), ("MAX_SPLITS", 1024), ("MERGE_WARPS", 16)]),
+         [("T", bf), ("D", 128), ("REP", 4), ("MAX_SPLITS", 1024), ("MERGE_WARPS", 16), ("ROTATE", 0)]),
+        ("merge", [("part_acc", f32), ("part_ml", f32), ("params", i32)], [("out", mx.float16)],
+         [("T", mx.float16), ("D", 64), ("REP", 3), ("MAX_SPLITS", 1024), ("MERGE_WARPS", 16), ("ROTATE", 1)]),
+        ("merge", [("part_acc", f32), ("part_ml", f32), ("params", i32)], [("out", f32)],  # float32 queries
+         [("T", f32), ("D", 64), ("REP", 2), ("MAX_SPLITS", 1024), ("MERGE_WARPS", 16), ("ROTATE", 0)]),
         ("flush", [("rows_k", bf), ("rows_v", bf), ("params", i32)], pool[:6],
          [("SD", bf), ("D", 128), ("G", 32), ("BITS", 2)]),
         ("flush_fused", [(f"{n}_{layer}", dt) for layer in range(3) for n, dt in pool]
@@ -118,7 +122,12 @@ def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
         ("write_blocks", [*pool[:6], ("keys", bf), ("values", bf), ("first", i32), ("ids", i32), ("params", i32)],
          [("done", i32)], [("SD", bf), ("D", 128), ("G", 32), ("BITS", 2)]),
         ("qk_rope", [("qkv", bf), ("q_weight", bf), ("k_weight", bf), ("offsets", i32), ("params", f32)],
-         [("q", bf), ("k", bf), ("v", bf)], [("T", bf), ("D", 128), ("HQ", 32), ("HKV", 8), ("NORM", 1)]),
+         [("q", bf), ("k", bf), ("v", bf)],
+         [("T", bf), ("D", 128), ("HQ", 32), ("HKV", 8), ("NORM", 1), ("ROTATE", 0)]),
+        ("qk_rope", [("qkv", mx.float16), ("q_weight", mx.float16), ("k_weight", mx.float16), ("offsets", i32),
+                     ("params", f32)],
+         [("q", mx.float16), ("k", mx.float16), ("v", mx.float16)],
+         [("T", mx.float16), ("D", 64), ("HQ", 9), ("HKV", 3), ("NORM", 0), ("ROTATE", 1)]),
     ]
 
     def ptx(i: int, pruned: bool) -> list[str]:

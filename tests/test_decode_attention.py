@@ -22,9 +22,9 @@ from tests.test_model_families import FAMILIES, tiny_model
 KV = KVConfig(bits=4, group_size=16, residual=32)
 
 
-def engine_for(model, *, use_kernel=None) -> Engine:
+def engine_for(model, *, use_kernel=None, config=KV) -> Engine:
     layers, h_kv, d = attention_shape(model)
-    store = KiviStore(layers, h_kv, d, config=KV, num_blocks=128, num_slots=8, dtype=model_dtype(model),
+    store = KiviStore(layers, h_kv, d, config=config, num_blocks=128, num_slots=8, dtype=model_dtype(model),
                       use_kernel=use_kernel)
     return Engine(model, IdTokenizer(), store, max_batch_tokens=64, pipeline=True)
 
@@ -54,6 +54,25 @@ def test_the_path_gives_the_stock_tokens(family):
     calls.clear()
     assert run_engine(engine_for(model, use_kernel=False), requests(), join_every=3) == want
     assert calls == []
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_rotated_store_gets_q_k_v_rotated_by_the_prologue(family):
+    """2r: the prologue is asked to rotate q, k and v (the kernel does it in its
+    launch), the cache then rotates only the output; the tokens are the stock path's."""
+    rotated = KVConfig(bits=2, group_size=16, residual=32, rotate=True)
+    model = tiny_model(family)
+    fuse_projections(model)
+    want = run_engine(engine_for(model, config=rotated), requests(), join_every=3)
+    install_decode_attention(model, prep=qk_rope_reference)
+    asked = []
+    for layer in model.model.layers:
+        layer.self_attn._qk_prep = lambda *a, **k: asked.append(k["rotate"]) or qk_rope_reference(*a, **k)
+    assert run_engine(engine_for(model, config=rotated), requests(), join_every=3) == want
+    assert asked and all(asked)
+    asked.clear()
+    run_engine(engine_for(model), requests()[:1])  # a plain store: nothing rotated
+    assert asked and not any(asked)
 
 
 def test_who_gets_the_path():

@@ -12,6 +12,7 @@ import pytest
 
 from kiviq.kernels import dispatch, launch
 from kiviq.kernels.kivi_reference import decode_attention, flush_tails, gather_flush_layers
+from kiviq.kernels.rotation import hadamard_rotate
 from kiviq.kernels.self_check import self_check
 
 LAYOUT = dict(bits=4, group_size=32, head_dim=64, num_q_heads=8, num_kv_heads=2, dtype=mx.float16)
@@ -22,7 +23,7 @@ def fake_backend(*, attend_fault=None, attend_raises=None, flush_fault=False):
     optionally wrong: attend output passed through `attend_fault`, attend_plan raising
     `attend_raises`, or the flushed blocks' key scales doubled."""
     def attend_plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, *, scale, bits,
-                    group_size):
+                    group_size, rotate_out=False):
         if attend_raises is not None:
             raise attend_raises
 
@@ -32,7 +33,7 @@ def fake_backend(*, attend_fault=None, attend_raises=None, flush_fault=False):
                                    group_size=group_size)
             if attend_fault is not None:
                 out = attend_fault(out).astype(q.dtype)
-            return out.reshape(q.shape)
+            return hadamard_rotate(out.reshape(q.shape)) if rotate_out else out.reshape(q.shape)
         return attend
 
     def flush_layers(pools, slots, ids, *, bits, group_size, blocks_per_slot=1, wait=True):

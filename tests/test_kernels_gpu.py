@@ -36,6 +36,7 @@ import pytest
 from kiviq.kernels import cuda_attend, dispatch, kivi_cuda, launch
 from kiviq.kernels.kivi_reference import decode_attention, flush_tails
 from kiviq.kernels.layout import KiviPool, allocate_pool
+from kiviq.kernels.rotation import hadamard_rotate
 from gpu_helpers import NEEDS_GPU, backend, to_np
 from kernel_oracles import (
     R,
@@ -323,6 +324,25 @@ def test_plan_takes_the_models_query_layout():
     out = dispatch.attend_plan(q4.shape, q4.dtype, pool, *meta, **kw)(q4, pool)
     assert out.shape == q4.shape
     np.testing.assert_array_equal(to_np(out[:, :, 0]), to_np(flat))
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+@pytest.mark.parametrize("dtype,d,bits", [(mx.bfloat16, 128, 2), (mx.float16, 128, 4), (mx.float16, 64, 2),
+                                          (mx.bfloat16, 64, 4)])
+def test_a_rotated_plan_rotates_its_output_back_bit_for_bit(dtype, d, bits):
+    """rotate_out (a 2r pool): the CUDA merge rotates each output row itself, with the
+    bits mx.hadamard_transform gives over the plain plan's output (the op it saves)."""
+    rng = np.random.default_rng(d + bits)
+    q, pool, *meta = make_case(rng, lens=[(5, 130), (0, 9), (2, 31), (40, 1)], h_kv=2, rep=4, d=d,
+                               bits=bits, dtype=dtype)
+    q4 = q[:, :, None]
+    kw = dict(scale=0.1, bits=bits)
+    plain = dispatch.attend_plan(q4.shape, q4.dtype, pool, *meta, **kw)(q4, pool)
+    rotated = dispatch.attend_plan(q4.shape, q4.dtype, pool, *meta, **kw, rotate_out=True)(q4, pool)
+    assert rotated.shape == q4.shape and rotated.dtype == dtype
+    np.testing.assert_array_equal(to_np(rotated), to_np(hadamard_rotate(plain)))
+    assert not np.array_equal(to_np(rotated), to_np(plain))
 
 
 @pytest.mark.gpu

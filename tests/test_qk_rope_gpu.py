@@ -1,6 +1,7 @@
 """The one-launch decode prologue (kernels/cuda/qk_rope.cu) against the stock ops
-it replaces (mlx.fast.rms_norm and mlx.fast.rope on the split projection): the
-same bits, so the engine's tokens do not change (CUDA only)."""
+it replaces (mlx.fast.rms_norm and mlx.fast.rope on the split projection, and for a
+2r cache mx.hadamard_transform of q, k and v): the same bits, so the engine's tokens
+do not change (CUDA only)."""
 
 from __future__ import annotations
 
@@ -23,14 +24,15 @@ def bits(a: mx.array) -> np.ndarray:
                                                    (64, 9, 3, False, 1e5), (64, 8, 2, True, 1e4)],
                          ids=["qwen3-4b", "mha", "smollm2", "d64-norm"])
 @pytest.mark.parametrize("b", [1, 5, 64])
-def test_prologue_is_the_stock_ops_bit_for_bit(dtype, d, h_q, h_kv, norm, base, b):
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "2r"])
+def test_prologue_is_the_stock_ops_bit_for_bit(dtype, d, h_q, h_kv, norm, base, b, rotate):
     rng = np.random.default_rng(b * d + h_q)
     width = (h_q + 2 * h_kv) * d
     # Varied magnitudes per head, as real activations have (norms then matter).
     qkv = mx.array((rng.standard_normal((b, 1, width)) * rng.uniform(0.1, 30.0, (b, 1, width))).astype(np.float32),
                    dtype=dtype)
     offsets = mx.array(rng.integers(0, 40_000, size=b), dtype=mx.int32)
-    kw = dict(n_heads=h_q, n_kv_heads=h_kv, rope_base=base, rope_scale=1.0)
+    kw = dict(n_heads=h_q, n_kv_heads=h_kv, rope_base=base, rope_scale=1.0, rotate=rotate)
     if norm:
         kw.update(q_weight=mx.array(rng.uniform(0.2, 2.0, d), dtype=dtype),
                   k_weight=mx.array(rng.uniform(0.2, 2.0, d), dtype=dtype), eps=1e-6)

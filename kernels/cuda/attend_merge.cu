@@ -1,4 +1,6 @@
-// The merge of the splits (kivi_attend_merge): exact log-sum-exp, output cast to T.
+// The merge of the splits (kivi_attend_merge): exact log-sum-exp, output cast to T;
+// with ROTATE = 1 (a 2r cache, whose rows live in the Hadamard basis) the output row
+// is then rotated back (kivi_hadamard8: mx.hadamard_transform's bits).
 // Inputs: part_acc, part_ml (the split kernel's outputs), params. Output: out [B, H_q, D].
 // Grid: B * H_q thread blocks of MW warps (MW = blockDim.x / 32, chosen per launch from
 // the number of splits: kernels.cuda_attend.merge_warps).
@@ -72,5 +74,27 @@
   for (int d = tid; d < D; d += blockDim.x) {
     float s = 0.0f;
     for (int w = 0; w < nw; ++w) s += accs[w * D + d];
-    out[(size_t)bh * D + d] = kivi_from_f<T>(mx == KIVI_NEG_INF ? 0.0f : s / lsum);
+    const T o = kivi_from_f<T>(mx == KIVI_NEG_INF ? 0.0f : s / lsum);
+    if constexpr (ROTATE) {
+      accs[d] = kivi_f(o);  // column d is this thread's alone: row 0 is free to take it
+    } else {
+      out[(size_t)bh * D + d] = o;
+    }
+  }
+  if constexpr (ROTATE) {  // warp 0 rotates the row as T, as mx.hadamard_transform of out would
+    __syncthreads();
+    if (warp == 0) {
+      const bool holds = lane < D / 8;
+      float x[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      if (holds) {
+        const float4 lo = *reinterpret_cast<const float4*>(accs + 8 * lane);
+        const float4 hi = *reinterpret_cast<const float4*>(accs + 8 * lane + 4);
+        x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
+      }
+      kivi_hadamard8<T, D>(x);
+      if (holds) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) out[(size_t)bh * D + 8 * lane + j] = kivi_from_f<T>(x[j]);
+      }
+    }
   }

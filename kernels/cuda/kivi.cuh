@@ -106,6 +106,67 @@ __device__ __forceinline__ void kivi_unpack8f(const uint4 u, float* x) {
   }
 }
 
+// Two floats rounded to fp16/bf16 (to nearest) and packed in one word, lo first.
+template <typename SD> __device__ __forceinline__ uint32_t kivi_pack2f(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t kivi_pack2f<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t kivi_pack2f<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// A row of D values (D = 64 or 128) held by a warp's first D / 8 lanes, 8 each (lane l:
+// values 8l .. 8l+7, as floats that SD holds exactly), times the normalized
+// Sylvester-Hadamard matrix, in place, exactly as MLX 0.32's CUDA hadamard_transform
+// computes it for SD rows: butterflies (x[j], x[j + h]) -> (a + b, a - b) in float over
+// strides 1 .. 8, rounded to SD, over strides 16 .. D/2, rounded to SD, then
+// SD(x * scale), scale = 1 / sqrt(D) computed as MLX does (in double, rounded to float).
+// SD may be float (no rounding). Strides of 8 and more pair a lane with lane ^ (stride
+// / 8); every lane of the warp must call it.
+template <typename SD, int D>
+__device__ __forceinline__ void kivi_hadamard8(float* x) {
+  static_assert(D == 64 || D == 128, "kivi_hadamard8: D is 64 or 128");
+  const int lane = threadIdx.x & 31;
+  const float scale = static_cast<float>(1.0 / sqrt(static_cast<double>(D)));
+#pragma unroll
+  for (int h = 1; h < 8; h <<= 1) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if ((j & h) == 0) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 1; m < D / 8; m <<= 1) {  // stride 8m; the lane with bit m set holds b
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float other = __shfl_xor_sync(KIVI_FULL, x[j], m);
+      x[j] = (lane & m) ? other - x[j] : x[j] + other;
+    }
+    if (m == 1 || m == D / 16) {  // the end of a pass: MLX keeps its rows in SD between passes
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] = kivi_f(kivi_from_f<SD>(x[j]));
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) x[j] = kivi_f(kivi_from_f<SD>(x[j] * scale));
+}
+
+// kivi_hadamard8 of 8 fp16/bf16 values packed in 16 bytes, packed again.
+template <typename SD, int D>
+__device__ __forceinline__ uint4 kivi_hadamard_row(const uint4 in) {
+  float x[8];
+  kivi_unpack8f<SD>(in, x);
+  kivi_hadamard8<SD, D>(x);
+  return make_uint4(kivi_pack2f<SD>(x[0], x[1]), kivi_pack2f<SD>(x[2], x[3]), kivi_pack2f<SD>(x[4], x[5]),
+                    kivi_pack2f<SD>(x[6], x[7]));
+}
+
 // 8 consecutive fp16/bf16 values (16 bytes, aligned) as floats.
 template <typename SD>
 __device__ __forceinline__ void kivi_load8f(const SD* p, float* x) {

@@ -4,17 +4,6 @@
 template <typename A, typename B> struct kivi_same { static constexpr bool value = false; };
 template <typename A> struct kivi_same<A, A> { static constexpr bool value = true; };
 
-// Two storage-dtype values packed in 32 bits, low half first (MMA operand registers).
-template <typename SD> __device__ __forceinline__ uint32_t kivi_pack2f(float lo, float hi);
-template <> __device__ __forceinline__ uint32_t kivi_pack2f<__half>(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-template <> __device__ __forceinline__ uint32_t kivi_pack2f<__nv_bfloat16>(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 // (w & MASK) | MAGIC as one LOP3 (ptxas emitted an AND and an OR for the plain C++).
 template <uint32_t MASK, uint32_t MAGIC>
 __device__ __forceinline__ uint32_t kivi_and_or(uint32_t w) {

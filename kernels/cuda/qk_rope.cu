@@ -1,6 +1,9 @@
 // Decode attention's inputs from the fused q/k/v projection in one launch (kivi_qk_rope):
 // the split into heads, Qwen3's q/k RMSNorm (NORM = 1) and rotate-half RoPE, which
 // mlx-lm runs as three strided copies, two rms_norm and two rope launches per layer.
+// With ROTATE = 1 (a 2r cache) q, k and v leave rotated along D by the normalized
+// Hadamard matrix, as mx.hadamard_transform would rotate the three outputs: the ops a
+// rotated store added per layer, in the same launch.
 // Inputs: qkv T [B, 1, (HQ + 2 HKV) * D] (row-contiguous, one token per sequence),
 // q_weight / k_weight T [D] (the norms' weights; unread when NORM = 0), offsets int32
 // [B] (each sequence's RoPE position), params float [3] = (eps, log2(rope base), rope
@@ -12,7 +15,10 @@
 // cooperative_groups::reduce (xor 16, 8, 4, 2, 1), as MLX's rms_norm_small does with 8
 // values per thread; y = w * T(x * rsqrt(mean + eps)) with the same two roundings; RoPE
 // computes its angle, cos, sin and both rotated values with MLX's expressions, in
-// float, from the normed values as rounded to T.
+// float, from the normed values as rounded to T. The rotation is MLX 0.32's CUDA
+// hadamard_n for D = 64 and 128 (one radix-16 pass, then one radix-D/16 pass, each
+// adding in float and rounding to T, then T(x * scale)): the same additions of the
+// same operands, across lanes by shuffles.
   constexpr int LANES = D / 8;   // lanes holding values
   constexpr int PAIR = D / 16;   // RoPE pairs value i with i + D/2: lane l with lane l ^ PAIR
   static_assert(D == 64 || D == 128, "qk_rope: head_dim 64 or 128");
@@ -22,8 +28,9 @@
   const bool holds = lane < LANES;
   const T* src = qkv + (size_t)b * (HQ + 2 * HKV) * D + (size_t)head * D + 8 * lane;
   const uint4 raw = holds ? kivi_ld16(src) : make_uint4(0u, 0u, 0u, 0u);
-  if (head >= HQ + HKV) {  // a value head: copied as it is
-    if (holds) *reinterpret_cast<uint4*>(v + ((size_t)b * HKV + head - HQ - HKV) * D + 8 * lane) = raw;
+  if (head >= HQ + HKV) {  // a value head: copied as it is (rotated with ROTATE)
+    const uint4 out = ROTATE ? kivi_hadamard_row<T, D>(raw) : raw;
+    if (holds) *reinterpret_cast<uint4*>(v + ((size_t)b * HKV + head - HQ - HKV) * D + 8 * lane) = out;
     return;
   }
   const bool is_q = head < HQ;
@@ -69,7 +76,9 @@
     }
     packed[j / 2] = kivi_pack2f<T>(o[0], o[1]);
   }
+  uint4 out = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  if constexpr (ROTATE) out = kivi_hadamard_row<T, D>(out);
   if (holds) {
     T* dst = is_q ? q + ((size_t)b * HQ + head) * D : k + ((size_t)b * HKV + head - HQ) * D;
-    *reinterpret_cast<uint4*>(dst + 8 * lane) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    *reinterpret_cast<uint4*>(dst + 8 * lane) = out;
   }
