@@ -59,7 +59,8 @@ def test_the_path_gives_the_stock_tokens(family):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_a_rotated_store_gets_q_k_v_rotated_by_the_prologue(family):
     """2r: the prologue is asked to rotate q, k and v (the kernel does it in its
-    launch), the cache then rotates only the output; the tokens are the stock path's."""
+    launch) and the cache rotates none of them again (the store's attention plan
+    rotates the output back); the tokens are the stock path's."""
     rotated = KVConfig(bits=2, group_size=16, residual=32, rotate=True)
     model = tiny_model(family)
     fuse_projections(model)
