@@ -22,8 +22,9 @@ Noise floor: the spread (max - min) / median of the unchanged fp16 SDPA baseline
 Run (GPU): MLX_ENABLE_TF32=0 python benchmarks/kernel_attend.py --out DIR
   (full grid: B in {1, 8, 32, 64} x S in {1k, 4k, 16k, 32k} x bits {4, 2}, plus
   B=32 S=8k and B=64 S=16k); `--shapes 32:8192 1:32768` for a subset;
-  `--units-per-sm 32 48` and `--min-split-blocks 0 8` add split-plan arms (checked and
-  timed interleaved with the rest); `--probe` to
+  `--units-per-sm 32 48`, `--min-split-blocks 0 8` and `--resident-warps 12 16` add
+  split-plan arms, `--mma-blocks 0 4 5` kernel arms (the MMA kernel under launch
+  bounds; each checked and timed interleaved with the rest); `--probe` to
   split per-call time into host graph building and GPU evaluation, `--device-time` to
   also record the kernel's and fp16 SDPA's device time per call (CUPTI via
   torch.profiler: what the GPU spent, whatever the host spent launching; a table of
@@ -108,17 +109,28 @@ _PLANS: dict = {}  # (id of an input, bits, arm) -> its launch plan; cleared per
 @contextlib.contextmanager
 def plan_arm(arm):
     """The split plan of an arm while a launch plan is made: None (the default),
-    ("units", N) (`launch.UNITS_PER_SM` = N) or ("min", N) (`launch.MIN_SPLIT_BLOCKS`
-    = N; 0 keeps the occupancy plan at every batch)."""
-    saved = launch.UNITS_PER_SM, launch.MIN_SPLIT_BLOCKS
+    ("units", N) (`launch.UNITS_PER_SM` = N), ("min", N) (`launch.MIN_SPLIT_BLOCKS`
+    = N; 0 keeps the occupancy plan at every batch), ("resident", N)
+    (`launch.RESIDENT_WARPS` = N, the wave plan's warps per SM) or ("blocks", N) (the
+    MMA kernel compiled for N thread blocks per SM at every dtype and bits, 0: no
+    launch bounds; `cuda_attend.mma_split_kernel`)."""
+    saved = (launch.UNITS_PER_SM, launch.MIN_SPLIT_BLOCKS, launch.RESIDENT_WARPS,
+             cuda_attend.MMA_BLOCKS_PER_SM)
     if arm and arm[0] == "units":
         launch.UNITS_PER_SM = arm[1]
     elif arm and arm[0] == "min":
         launch.MIN_SPLIT_BLOCKS = arm[1]
+    elif arm and arm[0] == "resident":
+        launch.RESIDENT_WARPS = arm[1]
+        launch._wave_plan.cache_clear()
+    elif arm and arm[0] == "blocks":
+        cuda_attend.MMA_BLOCKS_PER_SM = dict.fromkeys(launch.MMA_BLOCKS_PER_SM, arm[1])
     try:
         yield
     finally:
-        launch.UNITS_PER_SM, launch.MIN_SPLIT_BLOCKS = saved
+        (launch.UNITS_PER_SM, launch.MIN_SPLIT_BLOCKS, launch.RESIDENT_WARPS,
+         cuda_attend.MMA_BLOCKS_PER_SM) = saved
+        launch._wave_plan.cache_clear()
 
 
 def kernel_fn(args, bits, arm=None):
@@ -312,6 +324,12 @@ def main():
     ap.add_argument("--min-split-blocks", type=int, nargs="*", default=[], dest="min_split_blocks",
                     help="split-plan arms: splits shorter than this take the wave plan "
                          f"(kernels.launch.MIN_SPLIT_BLOCKS, default {launch.MIN_SPLIT_BLOCKS}; 0: never)")
+    ap.add_argument("--resident-warps", type=int, nargs="*", default=[], dest="resident_warps",
+                    help="split-plan arms: warps per SM the wave plan counts on "
+                         f"(kernels.launch.RESIDENT_WARPS, default {launch.RESIDENT_WARPS})")
+    ap.add_argument("--mma-blocks", type=int, nargs="*", default=[], dest="mma_blocks",
+                    help="kernel arms: the MMA split kernel compiled for this many thread blocks "
+                         "per SM (__launch_bounds__; 0: none); the default arm runs beside them")
     ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16",
                     help="the pool's and q's dtype (the engine's pools take the model's)")
     ap.add_argument("--max-fp16-gb", type=float, default=60.0)
@@ -330,8 +348,10 @@ def main():
     # kernel arms: name -> its split plan (`plan_arm`; None: the default plan)
     arms = {f"kernel@{u}": ("units", u) for u in a.units_per_sm}
     arms.update({f"min@{m}": ("min", m) for m in a.min_split_blocks})
-    if a.min_split_blocks and not a.units_per_sm:
-        arms = {"kernel": None, **arms}  # the default plan beside the experiment
+    arms.update({f"resident@{n}": ("resident", n) for n in a.resident_warps})
+    arms.update({f"blocks@{n}": ("blocks", n) for n in a.mma_blocks})
+    if (a.min_split_blocks or a.resident_warps or a.mma_blocks) and not a.units_per_sm:
+        arms = {"kernel": None, **arms}  # the default beside the experiment
     arms = arms or {"kernel": None}
     print(f"mlx {mx.__version__}, device {mx.device_info().get('device_name', '?')}, "
           f"backend {dispatch.backend()}, TF32 env {os.environ.get('MLX_ENABLE_TF32')}, "
@@ -373,6 +393,12 @@ def main():
             inputs = [(m[0], m[1]) for m in made]
             dq_out = deq_sdpa_fn(inputs[0][0], bits, tail)
             checks = {name: check(inputs[0][0], dq_out, bits, arm) for name, arm in arms.items()}
+            if "kernel" in arms and len(arms) > 1:  # does an arm change the numbers or only the time?
+                base = np.array(kernel_fn(inputs[0][0], bits, None).astype(mx.float32))
+                same = {name: bool(np.array_equal(base, np.array(kernel_fn(inputs[0][0], bits, arm)
+                                                                 .astype(mx.float32))))
+                        for name, arm in arms.items() if arm}
+                print(f"B={b} S={s} bits={bits}: output bit-identical to the default arm: {same}", flush=True)
             t = time_variants(variants, inputs, a.repeats)
             med = {k: float(np.median(v)) for k, v in t.items()}
             nbytes = kernel_bytes(b, nblk, tail, bits)

@@ -33,6 +33,8 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--rep", type=int, default=4, help="query heads per kv head")
     p.add_argument("--maxrregcount", type=int, default=None)
+    p.add_argument("--min-blocks", type=int, nargs="+", default=[0], dest="min_blocks",
+                   help="__launch_bounds__ blocks per SM to compile for (0: the kernel's own bounds)")
     p.add_argument("--cuobjdump", default=None)
     a = p.parse_args()
     if shutil.which("nvcc") is None:
@@ -40,16 +42,17 @@ def main() -> None:
     cuobjdump = a.cuobjdump or find_cuobjdump()
     if cuobjdump is None:
         sys.exit("cuobjdump not found: pip install nvidia-cuda-cuobjdump, or pass --cuobjdump")
-    ops = ("LOP3", "SHF", "HADD2", "HFMA2", "HMUL2", "HMMA", "LDS", "PRMT", "FMUL", "FFMA")
+    ops = ("LOP3", "SHF", "HADD2", "HFMA2", "HMUL2", "HMMA", "LDS", "PRMT", "FMUL", "FFMA", "LDL", "STL")
     print(f"D={a.head_dim}, REP={a.rep}, sm_90a, maxrregcount {a.maxrregcount or 'none'}")
-    print("| dtype | bits | registers | block-loop instructions | " + " | ".join(ops) + " |")
-    print("|---|---|---|---|" + "---|" * len(ops))
+    print("| dtype | bits | blocks per SM bound | registers | block-loop instructions | " + " | ".join(ops) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(ops))
     for name in a.dtype:
         for bits in a.bits:
-            unit = split_mma_unit(DTYPES[name], bits, a.head_dim, a.rep)
-            regs, loop = compile_and_count(unit, cuobjdump, a.maxrregcount)
-            print(f"| {name} | {bits} | {regs} | {sum(loop.values())} | "
-                  + " | ".join(str(loop.get(o, 0)) for o in ops) + " |", flush=True)
+            for blocks in a.min_blocks:
+                unit = split_mma_unit(DTYPES[name], bits, a.head_dim, a.rep, blocks or None)
+                regs, loop = compile_and_count(unit, cuobjdump, a.maxrregcount)
+                print(f"| {name} | {bits} | {blocks or '-'} | {regs} | {sum(loop.values())} | "
+                      + " | ".join(str(loop.get(o, 0)) for o in ops) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Same contract as `kernels.kivi_reference.decode_attention`; storage layout in
 `kernels.layout`, the split-K plan in `kernels.launch`, kernel sources in
 kernels/cuda/. The kernels are built once at import and are None where MLX has no
-CUDA backend.
+CUDA backend (the MMA kernel once per launch bound, when first used).
 
 1. A split kernel, one warp per (sequence b, kv head h, split s), chosen by the call's
    layout, not by a switch:
@@ -12,7 +12,8 @@ CUDA backend.
       memory with cp.async and never dequantizes: scales folded into q and p, zeros
       (and bf16's code offsets) in small MMAs of their own, a code pair one LOP3 into
       m16n8k16 fragments (`kivi_codes4`), float32 accumulation, online softmax in
-      base 2.
+      base 2. Compiled for `launch.MMA_BLOCKS_PER_SM` thread blocks per SM
+      (`mma_split_kernel`): registers capped for warps in flight.
    b. `kivi_attend_split` (attend_split.cu) for the rest: 8-bit, G != 32, D 32/256.
       CUDA cores, float32 throughout; 4 warps per thread block share (b, h) and stage
       its query rows once; a warp step covers 256 tokens.
@@ -41,14 +42,18 @@ Numerics (vs the float32 reference; tests/test_kernels_gpu.py states the contrac
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 
 from kiviq.kernels.cuda_source import cuda_kernel
 from kiviq.kernels.launch import (
+    MMA_BLOCKS_PER_SM,
     MMA_STEP_TOKENS,
     POOL_NAMES,
     STEP_TOKENS,
+    WARPS,
     attend_launch,
     attend_templates,
     const,
@@ -65,8 +70,18 @@ MERGE_WARPS = 16  # most warps of a merge block (its shared memory is sized for 
 
 ATTEND_KERNEL = cuda_kernel("attend_split.cu", name="kivi_attend_split", input_names=ATTEND_INPUTS,
                             output_names=ATTEND_OUTPUTS)
-ATTEND_MMA_KERNEL = cuda_kernel("attend_split_mma.cu", name="kivi_attend_split_mma",
-                                input_names=ATTEND_INPUTS, output_names=ATTEND_OUTPUTS)
+
+
+@functools.lru_cache(maxsize=None)
+def mma_split_kernel(blocks_per_sm: int):
+    """The MMA split kernel compiled for `blocks_per_sm` thread blocks per SM (its
+    `__launch_bounds__`; 0: none). One kernel object per bound: MLX keys its compiled
+    modules by the whole source's hash, so each bound is its own module."""
+    return cuda_kernel("attend_split_mma.cu", name="kivi_attend_split_mma", input_names=ATTEND_INPUTS,
+                       output_names=ATTEND_OUTPUTS,
+                       bounds=(WARPS * 32, blocks_per_sm) if blocks_per_sm else None)
+
+
 MERGE_KERNEL = cuda_kernel("attend_merge.cu", name="kivi_attend_merge", input_names=MERGE_INPUTS,
                            output_names=["out"])
 
@@ -131,7 +146,7 @@ class AttendPlan:
         template, merge_template = attend_templates(q_dtype, pool, bits=bits,
                                                     group_size=group_size, rep=rep)
         if mma:
-            self.split = ATTEND_MMA_KERNEL
+            self.split = mma_split_kernel(MMA_BLOCKS_PER_SM.get((pool.k_scales.dtype, bits), 0))
         else:
             self.split = ATTEND_KERNEL
         self.split_kw["template"] = template

@@ -23,7 +23,7 @@ import tempfile
 import mlx.core as mx
 
 from kiviq.kernels.cuda_attend import ATTEND_INPUTS, ATTEND_OUTPUTS
-from kiviq.kernels.cuda_source import HEADER, compact, kernel_header, read, translation_unit
+from kiviq.kernels.cuda_source import HEADER, compact, kernel_header, launch_bounds, read, translation_unit
 from kiviq.kernels.launch import WARPS
 
 ARCH = "sm_90a"
@@ -44,8 +44,9 @@ def find_cuobjdump() -> str | None:
     return None
 
 
-def split_mma_unit(sd, bits: int, d: int, rep: int) -> str:
-    """The MMA split kernel's translation unit for one template (q in the pool dtype)."""
+def split_mma_unit(sd, bits: int, d: int, rep: int, min_blocks: int | None = None) -> str:
+    """The MMA split kernel's translation unit for one template (q in the pool dtype);
+    with `min_blocks`, under `__launch_bounds__(WARPS * 32, min_blocks)` (`launch_bounds`)."""
     dtypes = {"q": sd, "k_codes": mx.uint8, "v_codes": mx.uint8, "qscale_in": mx.float32,
               **dict.fromkeys(("block_tables", "num_blocks", "slots", "tail_lens", "params"), mx.int32)}
     inputs = [(n, dtypes.get(n, sd)) for n in ATTEND_INPUTS]
@@ -53,8 +54,8 @@ def split_mma_unit(sd, bits: int, d: int, rep: int) -> str:
     template = [("T", sd), ("SD", sd), ("D", d), ("G", 32), ("BITS", bits), ("REP", rep),
                 ("NW", WARPS)]
     source = read("cuda/attend_split_mma.cu")
-    return translation_unit("kivi_attend_split_mma", kernel_header(HEADER, source),
-                            compact(source), inputs, outputs, template)
+    header = kernel_header(HEADER, source) + (launch_bounds(WARPS * 32, min_blocks) if min_blocks else "")
+    return translation_unit("kivi_attend_split_mma", header, compact(source), inputs, outputs, template)
 
 
 def nvcc(unit: str, out_kind: str, out_dir: str, tag: str = "k", extra: tuple = ()) -> str:

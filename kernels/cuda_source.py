@@ -49,15 +49,31 @@ def read(name: str) -> str:
 HEADER = read("cuda/kivi.cuh") + read("cuda/kivi_mma.cuh")
 
 
-def cuda_kernel(file: str, *, name: str, input_names, output_names, prologue: str = "", **kw):
+def cuda_kernel(file: str, *, name: str, input_names, output_names, prologue: str = "",
+                bounds: tuple[int, int] | None = None, **kw):
     """`mx.fast.cuda_kernel` of the kernel body in kernels/cuda/`file` (after
     `prologue`, generated code), compacted, with the items of kernels/cuda/kivi.cuh and
-    kivi_mma.cuh it reaches as its header; None where MLX has no CUDA backend."""
+    kivi_mma.cuh it reaches as its header; None where MLX has no CUDA backend.
+    bounds: (threads per block, blocks per SM) the compiler must fit (`launch_bounds`)."""
     if not cuda_available():
         return None
     source = prologue + read("cuda/" + file)
+    header = kernel_header(HEADER, source) + (launch_bounds(*bounds) if bounds else "")
     return mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
-                               source=compact(source), header=kernel_header(HEADER, source), **kw)
+                               source=compact(source), header=header, **kw)
+
+
+def launch_bounds(threads: int, min_blocks: int) -> str:
+    """Header text that gives the kernel MLX declares after the header
+    `__launch_bounds__(threads, min_blocks)`: registers capped so that `min_blocks`
+    blocks of `threads` fit on an SM.
+
+    MLX writes the kernel's signature itself (`__global__ void custom_kernel_...`) and
+    passes NVRTC no register limit, so the header redefines `__global__` (CUDA's own
+    macro for `__attribute__((global))`) with the bounds appended. It must come last:
+    a `__global__` in the header itself would get the bounds too."""
+    return ("#undef __global__\n"
+            f"#define __global__ __attribute__((global)) __launch_bounds__({threads}, {min_blocks})\n")
 
 
 def translation_unit(name: str, header: str, source: str, inputs, outputs, template) -> str:

@@ -34,6 +34,10 @@ UNITS_PER_SM = 48
 # instead (H200: B = 1-32 at 4k-32k tokens 8-33% faster; where the occupancy plan's
 # splits are >= 8 blocks, the wave plan's longer ones were 0-18% slower).
 MIN_SPLIT_BLOCKS = 8
+# Thread blocks per SM the MMA split kernel is compiled for (`__launch_bounds__`), per
+# (pool dtype, bits): its registers are capped at 65536 / (128 x blocks). The kernel waits
+# on latency, not on issue or DRAM, so warps in flight are what it runs on.
+MMA_BLOCKS_PER_SM = {(mx.float16, 2): 4, (mx.float16, 4): 4, (mx.bfloat16, 2): 4, (mx.bfloat16, 4): 4}
 RESIDENT_WARPS = 12  # warps per SM the wave plan counts on (3 blocks at ~150-162 registers)
 SPLIT_COST_STEPS = 1.5  # a split's fixed cost, in warp steps (the wave plan's model)
 MAX_SPLITS = 1024  # quantized splits + the tail's, per (sequence, kv head)

@@ -18,7 +18,7 @@ import pytest
 from kiviq.kernels.cuda_flush import layer_prologue
 from kiviq.kernels.cuda_offline import compile_and_count, find_cuobjdump, ptx_code, split_mma_unit
 from kiviq.kernels.cuda_source import HEADER, SOURCE_DIR, compact, kernel_header, read, top_level_items, translation_unit
-from kiviq.kernels.launch import POOL_NAMES
+from kiviq.kernels.launch import MMA_BLOCKS_PER_SM, POOL_NAMES, WARPS
 
 SOURCES = {"split_mma": read("cuda/attend_split_mma.cu"), "split": read("cuda/attend_split.cu"),
            "merge": read("cuda/attend_merge.cu"), "flush": read("cuda/flush_quantize.cu"),
@@ -28,19 +28,21 @@ NAME = re.compile(r"\b(?:kivi|KIVI)_\w+")
 
 
 @functools.lru_cache(maxsize=None)
-def _block_loops() -> dict:
-    """Opcode counts of the MMA kernel's block loop at D = 128, REP = 4, per (pool dtype,
-    bits): compiled once for all the tests that read them, in parallel (nvcc and
-    cuobjdump are subprocesses, ~2.5 s each)."""
+def _compiled() -> dict:
+    """(registers, opcode counts of the block loop) of the MMA kernel at D = 128, REP = 4,
+    per (pool dtype, bits), under the product's launch bounds
+    (`launch.MMA_BLOCKS_PER_SM`): compiled once for all the tests that read them, in
+    parallel (nvcc and cuobjdump are subprocesses, ~2.5 s each)."""
     keys = [(dtype, bits) for dtype in (mx.float16, mx.bfloat16) for bits in (2, 4)]
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as ex:
-        jobs = {k: ex.submit(compile_and_count, split_mma_unit(k[0], k[1], 128, 4), find_cuobjdump(), None)
+        jobs = {k: ex.submit(compile_and_count, split_mma_unit(k[0], k[1], 128, 4, MMA_BLOCKS_PER_SM[k]),
+                             find_cuobjdump(), None)
                 for k in keys}
-        return {k: job.result()[1] for k, job in jobs.items()}
+        return {k: job.result() for k, job in jobs.items()}
 
 
 def block_loop(dtype: mx.Dtype, bits: int):
-    return _block_loops()[dtype, bits]
+    return _compiled()[dtype, bits][1]
 
 
 def test_compact_drops_comments_and_indentation_but_keeps_line_breaks():
@@ -156,6 +158,20 @@ def test_the_block_loop_never_dequantizes():
         for dtype, loop in loops.items():
             assert loop["HFMA2"] == 0 and loop["HADD2"] == 0 and loop["HMUL2"] == 32, (bits, dtype)
         assert loops[mx.bfloat16]["HMMA"] == loops[mx.float16]["HMMA"] + 16, bits
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or find_cuobjdump() is None,
+                    reason="needs nvcc and cuobjdump (pip install nvidia-cuda-cuobjdump); no GPU")
+def test_launch_bounds_hold_the_mma_kernel_to_its_blocks_per_sm():
+    """The header's `__launch_bounds__` (cuda_source.launch_bounds, which MLX cannot be
+    given otherwise: it writes the kernel's signature itself) reaches the kernel: its
+    registers fit MMA_BLOCKS_PER_SM blocks of WARPS warps in an SM's 65,536, where
+    without bounds bf16 pools took 159-162 (three blocks)."""
+    for (dtype, bits), blocks in MMA_BLOCKS_PER_SM.items():
+        registers = _compiled()[dtype, bits][0]
+        assert registers * WARPS * 32 * blocks <= 65536, (dtype, bits, blocks, registers)
+    unbounded, _ = compile_and_count(split_mma_unit(mx.bfloat16, 4, 128, 4), find_cuobjdump(), None)
+    assert unbounded * WARPS * 32 * 4 > 65536  # the bounds are what holds it, not the code
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or find_cuobjdump() is None,
