@@ -124,7 +124,7 @@ def plan_arm(arm):
         launch.RESIDENT_WARPS = arm[1]
         launch._wave_plan.cache_clear()
     elif arm and arm[0] == "blocks":
-        cuda_attend.MMA_BLOCKS_PER_SM = dict.fromkeys(launch.MMA_BLOCKS_PER_SM, arm[1])
+        cuda_attend.MMA_BLOCKS_PER_SM = {(dt, bits): arm[1] for dt in launch.POOL_DTYPES for bits in (2, 4)}
     try:
         yield
     finally:
