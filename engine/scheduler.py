@@ -95,19 +95,24 @@ class Scheduler:
         plan = Plan()
         a = self.allocator
         # Running sequences grow by one token; preempt the newest until they fit.
-        while self.running and self._growth(self.running) + self._pending_prefill_blocks() > a.free_blocks:
+        # The blocks they and the prefilling ones still need are counted again only
+        # when a preemption changes them: a pass over every sequence, every step.
+        needed = self._growth(self.running) + self._pending_prefill_blocks()
+        while self.running and needed > a.free_blocks:
             victims = self.running + self.prefilling
             victim = max(victims, key=lambda s: s.arrival)
             if len(victims) == 1:  # alone and still out of room: it can never finish
                 self.remove(victim)
                 plan.fail.append((victim, "KV memory exhausted: the sequence outgrew the whole KV store"))
+                needed = self._growth(self.running) + self._pending_prefill_blocks()
                 break
             self._preempt(victim, plan)
+            needed = self._growth(self.running) + self._pending_prefill_blocks()
         plan.decode = list(self.running)
         budget = self.max_batch_tokens - len(plan.decode)
         if plan.decode and self.prefill_while_decoding is not None:
             budget = min(budget, self.prefill_while_decoding)
-        free_blocks = a.free_blocks - self._growth(plan.decode) - self._pending_prefill_blocks()
+        free_blocks = a.free_blocks - needed
         free_slots = a.free_slots
         # Admit in arrival order while the context plus a reserve fits; a
         # sequence alone in the engine only needs its context to fit.
