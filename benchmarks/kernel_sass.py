@@ -34,7 +34,7 @@ def main() -> None:
     p.add_argument("--rep", type=int, default=4, help="query heads per kv head")
     p.add_argument("--maxrregcount", type=int, default=None)
     p.add_argument("--min-blocks", type=int, nargs="+", default=[0], dest="min_blocks",
-                   help="__launch_bounds__ blocks per SM to compile for (0: the kernel's own bounds)")
+                   help="__launch_bounds__ blocks per SM to compile for, one row each (0: no bounds)")
     p.add_argument("--cuobjdump", default=None)
     a = p.parse_args()
     if shutil.which("nvcc") is None:

@@ -12,8 +12,8 @@ CUDA backend (the MMA kernel once per launch bound, when first used).
       memory with cp.async and never dequantizes: scales folded into q and p, zeros
       (and bf16's code offsets) in small MMAs of their own, a code pair one LOP3 into
       m16n8k16 fragments (`kivi_codes4`), float32 accumulation, online softmax in
-      base 2. Compiled for `launch.MMA_BLOCKS_PER_SM` thread blocks per SM
-      (`mma_split_kernel`): registers capped for warps in flight.
+      base 2. Where `launch.MMA_BLOCKS_PER_SM` names the pool's (dtype, bits) it is
+      compiled under `__launch_bounds__` for that many blocks per SM (`mma_split_kernel`).
    b. `kivi_attend_split` (attend_split.cu) for the rest: 8-bit, G != 32, D 32/256.
       CUDA cores, float32 throughout; 4 warps per thread block share (b, h) and stage
       its query rows once; a warp step covers 256 tokens.
