@@ -126,8 +126,7 @@ def test_decode_steps_write_the_tails_in_place_with_kernel(gpu_model, pipeline, 
     """Steady decode steps, flushes included, allocate less than one layer's tail
     array: a write evaluated while a read of the same buffer is still pending on
     the device (a pipelined step in flight, a flush's own read) makes MLX copy
-    the whole array. 512 slots make each tail array ~30 MiB; the peak of the steps' own
-    allocations was up to 19 MB (once, compiled and pipelined, on an H200)."""
+    the whole array. 512 slots make each tail array ~30 MiB."""
     import mlx.core as mx
 
     from kiviq.engine import Request, build_engine
@@ -149,7 +148,7 @@ def test_decode_steps_write_the_tails_in_place_with_kernel(gpu_model, pipeline, 
     mx.synchronize()
     growth = mx.get_peak_memory() - base
     assert engine.stats["pipelined_steps"] >= (100 if pipeline else 0)
-    assert growth < tail, (growth, tail)
+    assert growth < tail / 2, (growth, tail)
 
 
 def test_flat_quantized_matmuls_give_the_same_tokens_with_kernel(gpu_model):
