@@ -80,34 +80,32 @@ class Scheduler:
     def __len__(self) -> int:
         return len(self.waiting) + len(self.prefilling) + len(self.running)
 
-    def _growth(self, seqs: list[Sequence]) -> int:
-        """New blocks the running sequences need for their next token."""
+    def _blocks_to_grow(self) -> int:
+        """New blocks the running sequences need for their next token, plus what the
+        prefilling ones still need for their contexts: one pass over each."""
         a = self.allocator
         # A running sequence holds all its tokens but the newest, which the next
         # decode step commits.
-        return sum(max(0, a.blocks_needed(s.num_tokens) - a.blocks_held(s)) for s in seqs)
-
-    def _pending_prefill_blocks(self) -> int:
-        a = self.allocator
-        return sum(max(0, a.blocks_needed(s.num_tokens) - a.blocks_held(s)) for s in self.prefilling)
+        return sum(max(0, a.blocks_needed(s.num_tokens) - a.blocks_held(s))
+                   for group in (self.running, self.prefilling) for s in group)
 
     def schedule(self) -> Plan:
         plan = Plan()
         a = self.allocator
         # Running sequences grow by one token; preempt the newest until they fit.
-        # The blocks they and the prefilling ones still need are counted again only
-        # when a preemption changes them: a pass over every sequence, every step.
-        needed = self._growth(self.running) + self._pending_prefill_blocks()
+        # The blocks still needed are counted once per step (a pass over every
+        # sequence) and again only after a preemption changed them.
+        needed = self._blocks_to_grow()
         while self.running and needed > a.free_blocks:
             victims = self.running + self.prefilling
             victim = max(victims, key=lambda s: s.arrival)
             if len(victims) == 1:  # alone and still out of room: it can never finish
                 self.remove(victim)
                 plan.fail.append((victim, "KV memory exhausted: the sequence outgrew the whole KV store"))
-                needed = self._growth(self.running) + self._pending_prefill_blocks()
+                needed = self._blocks_to_grow()
                 break
             self._preempt(victim, plan)
-            needed = self._growth(self.running) + self._pending_prefill_blocks()
+            needed = self._blocks_to_grow()
         plan.decode = list(self.running)
         budget = self.max_batch_tokens - len(plan.decode)
         if plan.decode and self.prefill_while_decoding is not None:
