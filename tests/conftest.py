@@ -3,16 +3,11 @@ worker subprocess."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 from redis import Redis
-
-ROOT = Path(__file__).resolve().parents[1]
+from worker_procs import launch_worker, stop_worker
 
 
 @pytest.fixture(scope="session")
@@ -49,43 +44,21 @@ def smollm2():
     return load(None)
 
 
-def _worker_count(conn: Redis) -> int:
-    from rq import Worker
-
-    return len(Worker.all(connection=conn))
-
-
 @pytest.fixture
-def start_worker(redis_url, redis_conn):
+def start_worker(redis_url):
     """Start `kiviq worker` (extra CLI args allowed) against the test
     database; every worker started is stopped afterwards."""
     procs = []
 
     def start(*args: str) -> subprocess.Popen:
-        log_path = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"kiviq-worker-{os.getpid()}-{time.time_ns()}.log"
-        log_file = open(log_path, "w")
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kiviq.worker", "--redis-url", redis_url, *args],
-            cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-        )
-        proc.log_path, proc.log_file = log_path, log_file
+        alive = sum(p.poll() is None for p in procs)
+        proc = launch_worker(redis_url, *args, workers=alive + 1)
         procs.append(proc)
-        deadline = time.monotonic() + 180
-        while _worker_count(redis_conn) < sum(p.poll() is None for p in procs):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"worker did not start:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.2)
         return proc
 
     yield start
     for proc in procs:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        proc.log_file.close()
+        stop_worker(proc)
 
 
 @pytest.fixture

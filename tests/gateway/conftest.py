@@ -5,20 +5,15 @@ not installed."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from gateway_common import KEY, ROOT, ThreadedServer  # noqa: E402
+from gateway_common import KEY, ThreadedServer  # noqa: E402
 from redis import Redis  # noqa: E402
+from worker_procs import launch_worker, stop_worker  # noqa: E402
 
 from kiviq.gateway.app import create_app  # noqa: E402
 
@@ -33,26 +28,9 @@ def gw_redis(redis_server):
 
 @pytest.fixture(scope="module")
 def gw_worker(gw_redis):
-    from rq import Worker
-
-    log_path = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"kiviq-gw-worker-{os.getpid()}.log"
-    log_file = open(log_path, "w")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "kiviq.worker", "--redis-url", gw_redis], cwd=ROOT, env=env,
-                            stdout=log_file, stderr=subprocess.STDOUT)
-    conn = Redis.from_url(gw_redis)
-    deadline = time.monotonic() + 180
-    while not Worker.count(connection=conn):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"worker did not start:\n{log_path.read_text()[-4000:]}")
-        time.sleep(0.2)
+    proc = launch_worker(gw_redis)
     yield proc
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log_file.close()
+    stop_worker(proc)
 
 
 @pytest.fixture(scope="module")
