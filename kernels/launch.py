@@ -36,11 +36,11 @@ UNITS_PER_SM = 48
 MIN_SPLIT_BLOCKS = 8
 # Thread blocks per SM the MMA split kernel is compiled for (`__launch_bounds__`), per
 # (pool dtype, bits); the rest compile without bounds. fp16 2-bit runs 4 blocks either way
-# (128 registers), but the bounded schedule (127) took 1-3% less device time (H200). Capping
+# (128 registers), but the bounded schedule (127) took 2-3% less device time (H200). Capping
 # the others at 4 blocks (126-128 registers instead of 150-162, 16 warps per SM instead of
-# 12) made them 2-8% slower, 5 or 6 blocks (spills) 10-60%: the kernel waits on dependent
-# instructions within a warp, which more warps per SM do not hide (docs/performance.md,
-# "Launch bounds").
+# 12) made none faster (bf16 5-8% slower), 5 or 6 blocks (spills) 10-60% slower: the
+# kernel waits on dependent instructions within a warp, which more warps per SM do not
+# hide (docs/performance.md, "Launch bounds").
 MMA_BLOCKS_PER_SM = {(mx.float16, 2): 4}
 RESIDENT_WARPS = 12  # warps per SM the wave plan counts on (3 blocks at ~150-162 registers)
 SPLIT_COST_STEPS = 1.5  # a split's fixed cost, in warp steps (the wave plan's model)
