@@ -13,24 +13,30 @@ import time
 from pathlib import Path
 
 
-def host_probe(repeats: int = 7) -> dict:
-    """How fast this process's main thread runs plain host code: the best of
-    ``repeats`` runs of a fixed pure-Python loop (no MLX, no GPU), and the CPU the
-    thread is on. The same build can run 1.5-2x slower in one process than in the
-    next, host code and all (docs/performance.md, "The two modes of the step
-    time"): a benchmark that compares processes reports this beside its times."""
-    def work() -> int:
-        acc, d = 0, {}
-        for i in range(200_000):
-            d[i & 1023] = acc = (acc * 31 + i) & 0xFFFF
-        return acc
+def probe_work() -> int:
+    """A fixed pure-Python loop (dict stores, integer arithmetic): ~20-40 ms of
+    plain host code with nothing of MLX or the GPU in it."""
+    acc, d = 0, {}
+    for i in range(200_000):
+        d[i & 1023] = acc = (acc * 31 + i) & 0xFFFF
+    return acc
 
-    best = min(_timed(work) for _ in range(repeats))
-    try:  # field 39 of /proc/<pid>/task/<tid>/stat: the CPU it last ran on
-        cpu = int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
+
+def current_cpu() -> int | None:
+    """The CPU this thread last ran on (field 39 of /proc/<pid>/task/<tid>/stat)."""
+    try:
+        return int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
     except (OSError, IndexError, ValueError):
-        cpu = None
-    return {"host_probe_ms": best * 1e3, "host_cpu": cpu}
+        return None
+
+
+def host_probe(repeats: int = 7) -> dict:
+    """How fast this process's main thread runs plain host code right now: the
+    best of ``repeats`` runs of ``probe_work``, and the CPU the thread is on. A
+    host's speed can move 2x within a second (benchmarks/host_speed.py), so a
+    benchmark that compares runs reports this beside its times."""
+    best = min(_timed(probe_work) for _ in range(repeats))
+    return {"host_probe_ms": best * 1e3, "host_cpu": current_cpu()}
 
 
 def _timed(fn) -> float:

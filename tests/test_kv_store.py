@@ -92,6 +92,28 @@ def test_batched_decode_append_equals_one_by_one():
             np.testing.assert_array_equal(np.array(x), np.array(y))
 
 
+def test_decode_batch_holds_the_step_values():
+    """begin_decode's arrays (views of one upload) hold what the sequences say,
+    for the token the step writes: it advances the bookkeeping first."""
+    store = make_store(g=16, r=32, slots=4, layers=2)
+    lens = [5, 140, 33]
+    seqs = [store.blocks.allocate() for _ in lens]
+    for layer in range(2):
+        for s, n in zip(seqs, lens):
+            x = mx.random.normal((H_KV, n, D))
+            store.append(layer, s, x, -x)
+    before = [(s.tail_lens[0], s.blocks_used[0]) for s in seqs]
+    batch = store.begin_decode(seqs)
+    assert np.array(batch.slots).tolist() == [s.slot for s in seqs]
+    assert np.array(batch.tail_lens).tolist() == [s.tail_lens[0] for s in seqs]
+    assert np.array(batch.num_blocks).tolist() == [s.blocks_used[0] for s in seqs]
+    assert np.array(batch.offsets).tolist() == [nb * 16 + t for t, nb in before]
+    assert np.array(batch.write_index[2][:, 0, 0]).tolist() == [s.tail_lens[0] - 1 for s in seqs]
+    for row, s in zip(np.array(batch.block_tables), seqs):
+        assert row[:s.blocks_used[0]].tolist() == s.block_ids[:s.blocks_used[0]]
+        assert not row[s.blocks_used[0]:].any()
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_step_prepared_once_for_all_layers_equals_per_layer_decode(k):
     """The engine's path (one DecodeBatch per step, flushes of every layer at
