@@ -94,9 +94,7 @@ def make_input(b, s, bits, seed, dtype=mx.float16):
         tail_v=mx.random.normal((b, H_KV, R + G, D), key=ks[7]).astype(f16),
     )
     rng = np.random.default_rng(seed)
-    # Uploaded as the engine's are (`launch.upload`): a host-made table would make the
-    # timed kernels pay page faults.
-    table = launch.upload((1 + rng.permutation(b * nblk)).reshape(b, nblk))
+    table = mx.array((1 + rng.permutation(b * nblk)).reshape(b, nblk).astype(np.int32))
     q = mx.random.normal((b, H_Q, D), key=mx.random.key(seed + 1)).astype(dtype)
     args = (q, pool, table, mx.full((b,), nblk, dtype=mx.int32),
             mx.arange(b, dtype=mx.int32), mx.full((b,), tail, dtype=mx.int32))

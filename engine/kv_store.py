@@ -36,7 +36,6 @@ from kiviq.kernels import (
     dequantize_value_blocks,
 )
 from kiviq.kernels.dispatch import attend_plan, blocks_written_in_place, flush_layers, write_blocks, writes_tail
-from kiviq.kernels.launch import upload
 from kiviq.kernels.rotation import check_rotation, hadamard_rotate
 
 __all__ = ["DecodeBatch", "KVConfig", "KiviStore", "OutOfKVMemory", "PrefillBatch", "SequenceKV"]
@@ -345,12 +344,12 @@ class KiviStore:
             else:
                 s.tail_lens[layer], s.blocks_used[layer] = t, nb
         offsets = [nb * g + t for t, nb in before]
-        # The step's ints go up in one upload: a GPU kernel that reads a host-made
-        # array stalls on page faults, so only the upload's cast does; the step's
-        # arrays are views of its output.
+        # The step's ints in one host array, so the GPU migrates one managed
+        # allocation per step instead of one per array (~250 us of device time
+        # each, measured on an H200); the arrays are views of it.
         b = len(seqs)
         tables = self.blocks.block_tables(seqs, blocks, self.table_width_multiple)
-        packed = upload(np.concatenate([
+        packed = mx.array(np.concatenate([
             np.array([[s.slot for s in seqs], [t - 1 for t in tails], blocks, tails, offsets], dtype=np.int32).ravel(),
             tables.ravel()]))
         slots, write_pos, num_blocks, tail_lens, offsets_d = (packed[i * b:(i + 1) * b] for i in range(5))

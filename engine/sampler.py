@@ -16,14 +16,11 @@ a repetition penalty.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
 from kiviq.engine.request import SamplingParams, TokenLogprob
-from kiviq.kernels.launch import upload
 
 
 @dataclass
@@ -48,27 +45,6 @@ def apply_repetition_penalty(logits: mx.array, history: list[int], penalty: floa
     picked = logits[idx]
     logits[idx] = mx.where(picked < 0, picked * penalty, picked / penalty)
     return logits
-
-
-_ROW_PARAMS: OrderedDict[tuple, tuple] = OrderedDict()  # the last batches' row_params
-ROW_PARAMS_KEPT = 8
-
-
-def row_params(rows: list[RowState]) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array]:
-    """(temperature, top_k, top_p, min_p, is_greedy) per row, [B] each (a greedy row's
-    temperature is 1). One upload per distinct batch, kept while the batch stays: a
-    GPU kernel that reads a host-made array stalls on page faults at every step
-    (kernels.launch.upload), and a batch's rows change far less often than it steps."""
-    key = tuple((p.temperature if p.temperature > 0 else 1.0, p.top_k, p.top_p, p.min_p, float(p.greedy))
-                for p in (r.params for r in rows))
-    made = _ROW_PARAMS.get(key)
-    if made is None:
-        table = upload(np.array(key, dtype=np.float32).T, dtype=mx.float32)  # [5, B]
-        made = _ROW_PARAMS[key] = (table[0], table[1].astype(mx.int32), table[2], table[3], table[4] > 0)
-        if len(_ROW_PARAMS) > ROW_PARAMS_KEPT:
-            _ROW_PARAMS.popitem(last=False)
-    _ROW_PARAMS.move_to_end(key)
-    return made
 
 
 def _filter(logprobs: mx.array, top_k: mx.array, top_p: mx.array, min_p: mx.array) -> mx.array:
@@ -175,7 +151,8 @@ def sample(logits: mx.array, rows: list[RowState]) -> Sampled:
     if all_greedy:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     else:
-        logprobs = logits / row_params(rows)[0][:, None]
+        temps = mx.array([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows])[:, None]
+        logprobs = logits / temps
         logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
     tokens = greedy if all_greedy else _draw(logits, logprobs, greedy, rows)
     if not asked:
@@ -185,8 +162,12 @@ def sample(logits: mx.array, rows: list[RowState]) -> Sampled:
 
 def _draw(logits: mx.array, logprobs: mx.array, greedy: mx.array, rows: list[RowState]) -> mx.array:
     """Sampled tokens for the non-greedy rows (greedy rows keep ``greedy``)."""
-    _, top_k, top_p, min_p, is_greedy = row_params(rows)
-    logprobs = _filter(logprobs, top_k, top_p, min_p)
+    logprobs = _filter(
+        logprobs,
+        mx.array([r.params.top_k for r in rows]),
+        mx.array([r.params.top_p for r in rows]),
+        mx.array([r.params.min_p for r in rows]),
+    )
     noise = []
     unseeded = sum(r.key is None for r in rows)
     shared = mx.random.gumbel((unseeded, logits.shape[-1])) if unseeded else None
@@ -200,4 +181,5 @@ def _draw(logits: mx.array, logprobs: mx.array, greedy: mx.array, rows: list[Row
             noise.append(mx.random.gumbel(logits.shape[-1:], key=sub))
     # Gumbel-max: argmax(logprobs + Gumbel noise) samples from softmax(logprobs).
     drawn = mx.argmax(logprobs + mx.stack(noise), axis=-1).astype(mx.int32)
+    is_greedy = mx.array([r.params.greedy for r in rows])
     return mx.where(is_greedy, greedy, drawn)

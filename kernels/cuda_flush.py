@@ -20,11 +20,10 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
-import numpy as np
 
 from kiviq.kernels.cuda_source import cuda_kernel
 from kiviq.kernels.kivi_reference import check_flush_args, finish, shifted_tail, write_flushed
-from kiviq.kernels.launch import HEAD_DIMS, POOL_NAMES, const, flush_template, upload
+from kiviq.kernels.launch import HEAD_DIMS, POOL_NAMES, const, flush_template, packed_views
 from kiviq.kernels.layout import KiviPool
 
 FLUSH_INPUTS = ["rows_k", "rows_v", "params"]
@@ -81,13 +80,10 @@ def flush_launch(pool: KiviPool, rows_k, *, bits, group_size):
 
 def flush_meta(pool: KiviPool, slots: mx.array, ids: mx.array, blocks_per_slot: int = 1) -> tuple:
     """(slots, ids, params) of the fused flush for every layer of a flush, as views of
-    one upload (`kernels.launch.upload`): read from the host once per flush, not by
-    every launch. `slots` and `ids` are host-made (``check_flush_args``)."""
+    one device array (`kernels.launch.packed_views`): read once per flush, not per layer."""
     _, h_kv, rg, _ = pool.tail_k.shape
-    f, n = slots.shape[0], ids.shape[0]
-    packed = upload(np.concatenate([np.asarray(slots), np.asarray(ids),
-                                    np.array([rg, h_kv, blocks_per_slot], dtype=np.int32)]))
-    return packed[:f], packed[f:f + n], packed[f + n:]
+    params = const((rg, h_kv, blocks_per_slot), mx.int32)
+    return tuple(packed_views([slots, ids, params]))
 
 
 def layer_prologue(layers: int) -> str:

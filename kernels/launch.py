@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
-import numpy as np
 
 from kiviq.kernels.cuda_device import num_sms
 from kiviq.kernels.layout import KiviPool, check_layout
@@ -154,25 +153,18 @@ def flush_supports(pool: KiviPool) -> str | None:
 
 _CONSTS: dict = {}
 _CONST_VALUES: dict = {}  # id of a `const` array -> its values (no device read-back)
-HOST_POOL_BYTES = 8  # MLX's shared pool of host arrays this small, mapped for the device
 
 
 def const(values: tuple, dtype) -> mx.array:
     """A small constant array, made once per value: no per-call host array (an extra
-    graph node and upload per call). Past ``HOST_POOL_BYTES`` it is uploaded
-    (`upload`) and evaluated at once, so that a kernel reads device memory and a
-    compiled step holds it as a constant; smaller ones stay in the pool that MLX
-    maps for the device (read in place, never migrated)."""
+    graph node and upload per call)."""
     key = (str(dtype), values)
     a = _CONSTS.get(key)
     if a is None:
         if len(_CONSTS) >= 1024:
             _CONSTS.clear()
             _CONST_VALUES.clear()
-        a = mx.array(list(values), dtype=dtype)
-        if a.nbytes > HOST_POOL_BYTES:
-            a = _device_copy(a)
-        a = _CONSTS[key] = a
+        a = _CONSTS[key] = mx.array(list(values), dtype=dtype)
         _CONST_VALUES[id(a)] = values
         mx.eval(a)
     return a
@@ -183,20 +175,21 @@ def const_values(a: mx.array) -> tuple:
     return _CONST_VALUES[id(a)]
 
 
-def upload(values, dtype=mx.int32) -> mx.array:
-    """Host values (a numpy array or a sequence) as a `dtype` array that a device op wrote.
+def packed_views(ints: list) -> list:
+    """The int32 arrays `ints` as views (same shapes) of one array made on the device.
 
-    MLX keeps every host-made array in managed memory, and each GPU kernel that
-    reads one stalls on page faults: ~150-290 us of device time per reading kernel
-    on an H200, however few bytes it reads (docs/performance.md, "The step's small
-    host arrays"). One cast reads the host's pages once; the kernels read its output.
-    On the CPU it is one cheap cast."""
-    return _device_copy(mx.array(np.ascontiguousarray(values), dtype=dtype))
-
-
-def _device_copy(host: mx.array) -> mx.array:
-    """`host`'s bits, written by a device op (a byte cast: every dtype, no rounding)."""
-    return host.view(mx.uint8).astype(mx.int8).view(host.dtype)
+    MLX keeps host-made arrays in managed memory (and those of 8 bytes or less in one
+    shared pool the host keeps writing); a kernel reading them pays for page
+    migration on every launch (~23 us per split launch at B = 1). A concatenation is a
+    GPU op, so its output is device memory, read from managed memory once per step
+    instead of by every layer's launches.
+    """
+    packed = mx.concatenate([a.reshape(-1).astype(mx.int32) for a in ints])
+    views, at = [], 0
+    for a in ints:
+        views.append(packed[at:at + a.size].reshape(a.shape))
+        at += a.size
+    return views
 
 
 def attend_launch(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, *,
@@ -227,7 +220,7 @@ def attend_launch(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_
     # params[5]: whether the call brings the new token (kernels.cuda_attend.AttendPlan)
     meta = [i32(block_tables), i32(num_blocks), i32(slots), i32(tail_lens),
             const((max(mb, 1), bps, nsplit, rg, tail_splits, 0), mx.int32),
-            const((float(scale) * LOG2E,) * 4, mx.float32)]  # 16 bytes: see const
+            const((float(scale) * LOG2E,), mx.float32)]
     nsu = nsplit + tail_splits
     split = dict(
         grid=(-(-nsu // warps) * warps * 32, h_kv, b),

@@ -1,10 +1,10 @@
-"""The kernels' small per-step inputs: what reaches the launches must be the same
-values in the same shapes and dtypes (kernels.launch.const and upload,
-kernels.cuda_flush.flush_meta; KiviStore.begin_decode's in tests/test_kv_store.py).
+"""The kernels' small per-step inputs as views of one array made by an op
+(kernels.cuda_attend.device_meta, kernels.cuda_flush.flush_meta).
 
-On CUDA each comes from an upload, a cast whose output is device memory, where a
-host-made array is MLX managed memory (kernels.launch.upload says why that matters).
-These checks run on any backend, the launches themselves in tests/test_kernels_gpu.py.
+On CUDA that op's output is device memory, where host-made arrays are MLX managed
+memory (kernels.launch.packed_views says why that matters). What the kernels read
+must be the same values in the same shapes and dtypes; these checks run on any
+backend, the launches themselves in tests/test_kernels_gpu.py.
 """
 
 from __future__ import annotations
@@ -13,25 +13,40 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kiviq.kernels import cuda_flush
-from kiviq.kernels.launch import LOG2E, const, const_values, upload
+from kiviq.kernels import cuda_attend, cuda_flush
+from kiviq.kernels.launch import LOG2E, const
 from kiviq.kernels.layout import allocate_pool
+
+
+def _meta(b=3, width=5):
+    rng = np.random.default_rng(0)
+    tables = mx.array(rng.integers(0, 100, (b, width)).astype(np.int32))
+    num_blocks = mx.array([5, 0, 2], dtype=mx.int32)[:b]
+    slots = mx.array([2, 0, 7], dtype=mx.int32)[:b]
+    tail_lens = mx.array([1, 31, 160], dtype=mx.int32)[:b]
+    params = const((width, 2, 3, 160, 5, 0), mx.int32)
+    qscale = const((0.125 * LOG2E,), mx.float32)
+    return [tables, num_blocks, slots, tail_lens, params, qscale]
 
 
 def _same(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(a, b).item())
 
 
-@pytest.mark.parametrize("values,dtype", [((5, 2, 3, 160, 5, 1), mx.int32),
-                                          ((0.125 * LOG2E,) * 4, mx.float32),
-                                          ((1e-6, 13.28771238, 1.0), mx.float32),
-                                          ((0.0,), mx.bfloat16), ((7, 2), mx.int32)])
-def test_const_holds_its_values_on_or_off_the_device(values, dtype):
-    """A const past MLX's shared pool of <= 8-byte host arrays is a device copy
-    (an op's output); both kinds give back their exact values."""
-    a = const(values, dtype)
-    assert _same(a, mx.array(list(values), dtype=dtype))
-    assert const(values, dtype) is a and const_values(a) == values
+@pytest.mark.parametrize("b,width", [(3, 5), (1, 1)])  # B = 1: lengths of 4 bytes each
+def test_device_meta_views_hold_the_inputs_and_the_new_token_params(b, width):
+    meta = _meta(b, width)
+    params_new = const((width, 2, 3, 160, 5, 1), mx.int32)
+    views, views_new = cuda_attend.device_meta(meta, params_new)
+    for got, want in zip(views[:5], meta[:5]):
+        assert _same(got, want)
+    assert _same(views_new[4], params_new)
+    for got, want in zip(views_new[:4], meta[:4]):
+        assert _same(got, want)
+    # The scale four times over (16 bytes: past MLX's shared pool of <= 8-byte arrays).
+    assert views[5].shape == (4,) and views[5].dtype == mx.float32
+    assert np.all(np.array(views[5]) == np.array(meta[5])[0])
+    assert views_new[5] is views[5]
 
 
 def test_flush_meta_is_the_same_values():
@@ -40,15 +55,3 @@ def test_flush_meta_is_the_same_values():
     got = cuda_flush.flush_meta(pool, slots, ids, 2)
     assert _same(got[0], slots) and _same(got[1], ids)
     assert _same(got[2], const((160, 2, 2), mx.int32))
-
-
-def test_upload_keeps_every_bit_of_int32_values():
-    values = np.array([0, 1, -1, 2**31 - 1, -(2**31), 123456], dtype=np.int32)
-    got = upload(values)
-    assert got.dtype == mx.int32 and got.shape == (6,)
-    assert np.array_equal(np.array(got), values)
-    # A float's bits travel too (the attention's query scale does).
-    bits = np.array([0.125 * LOG2E], dtype=np.float32).view(np.int32)
-    assert np.array(upload(bits).view(mx.float32))[0] == np.float32(0.125 * LOG2E)
-    assert np.array_equal(np.array(upload([3, 4])), [3, 4])
-

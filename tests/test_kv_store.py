@@ -93,7 +93,7 @@ def test_batched_decode_append_equals_one_by_one():
 
 
 def test_decode_batch_holds_the_step_values():
-    """begin_decode's arrays (views of one upload) hold what the sequences say,
+    """begin_decode's arrays (views of one host array) hold what the sequences say,
     for the token the step writes: it advances the bookkeeping first."""
     store = make_store(g=16, r=32, slots=4, layers=2)
     lens = [5, 140, 33]

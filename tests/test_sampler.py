@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 
 from kiviq.engine.request import SamplingParams
-from kiviq.engine.sampler import RowState, row_params, sample
+from kiviq.engine.sampler import RowState, sample
 
 V = 1000
 
@@ -106,20 +106,3 @@ def test_asking_for_logprobs_does_not_change_the_draws():
     plain = sample(logits, rows(*base)).tokens.tolist()
     asked = [SamplingParams(p.temperature, seed=p.seed, logprobs=3) for p in base]
     assert draw(logits, rows(*asked))[0] == plain
-
-
-def test_row_params_are_uploaded_once_per_batch():
-    """A batch's per-row parameters go up once and are reused while the batch is the
-    same; another batch gets its own, with its own values."""
-    a = [RowState.create(SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05), [1]),
-         RowState.create(SamplingParams(temperature=0.0), [2])]
-    first = row_params(a)
-    assert all(x is y for x, y in zip(first, row_params(a)))
-    temps, top_k, top_p, min_p, greedy = (np.array(x) for x in first)
-    np.testing.assert_allclose(temps, [0.7, 1.0], rtol=1e-7)
-    assert top_k.tolist() == [40, 0] and first[1].dtype == mx.int32
-    np.testing.assert_allclose(top_p, [0.9, 1.0], rtol=1e-7)
-    np.testing.assert_allclose(min_p, [0.05, 0.0], rtol=1e-7)
-    assert greedy.tolist() == [False, True]
-    other = row_params(a[::-1])
-    assert np.array(other[1]).tolist() == [0, 40] and other[0] is not first[0]
