@@ -10,7 +10,10 @@ submitted through the real client, but with a stand-in engine whose step
 returns one token for every active request at once: the wall time per step is
 then the worker's own. ``--engine-ms`` makes each step wait that long with the
 GIL released (as MLX's evaluation does), to see what the worker's other threads
-do meanwhile.
+do meanwhile; ``--engine-gil-ms`` makes it first hold the GIL that long (the
+engine's Python and MLX's graph building do), and the table then says how much
+longer the steps took than that: what the worker's other threads cost the engine.
+``--switch-interval`` sets Python's (``sys.setswitchinterval``) for the run.
 
     python benchmarks/worker_loop.py --jobs 64 --gen 256
     python benchmarks/worker_loop.py --jobs 64 --gen 256 --profile    # where the time goes
@@ -65,11 +68,12 @@ class FreeEngine:
     """An engine whose step costs nothing (or ``engine_ms`` of GIL-free
     waiting): one token, " a", for every active request, until its max_tokens."""
 
-    def __init__(self, capacity: int, engine_ms: float):
+    def __init__(self, capacity: int, engine_ms: float, gil_ms: float = 0.0):
         self.tokenizer = ByteTokenizer()
         self.model = SimpleNamespace(args=SimpleNamespace(max_position_embeddings=8192))
         self.capacity = capacity
-        self.engine_ms = engine_ms
+        self.engine_ms, self.gil_ms = engine_ms, gil_ms
+        self.stretch: list[float] = []  # ms each step took past gil_ms + engine_ms
         self._left: dict[str, int] = {}
         self.steps = 0
         self.started: list[float] = []  # perf_counter() as each step began
@@ -86,9 +90,14 @@ class FreeEngine:
         return self._left.pop(request_id, None) is not None
 
     def step(self) -> list[StepEvent]:
-        self.started.append(time.perf_counter())
+        t0 = time.perf_counter()
+        self.started.append(t0)
+        busy_until = t0 + self.gil_ms / 1e3
+        while time.perf_counter() < busy_until:  # Python holding the GIL
+            pass
         if self.engine_ms:
             time.sleep(self.engine_ms / 1e3)
+        self.stretch.append((time.perf_counter() - t0) * 1e3 - self.gil_ms - self.engine_ms)
         self.steps += 1
         events = []
         for rid in list(self._left):
@@ -114,7 +123,7 @@ def loop_runs(args, url: str, listener) -> tuple[list[list], Any]:
     for run in range(args.runs):
         for _ in range(args.jobs):
             client.submit("Tell me about the sea.", max_tokens=args.gen)
-        engine = FreeEngine(args.jobs, args.engine_ms)
+        engine = FreeEngine(args.jobs, args.engine_ms, args.engine_gil_ms)
         worker = BatchWorker(engine, Redis.from_url(url), max_active=args.jobs, metrics=WorkerMetrics())
         if args.profile and run == args.runs - 1:
             import cProfile
@@ -130,11 +139,14 @@ def loop_runs(args, url: str, listener) -> tuple[list[list], Any]:
         if ended != args.jobs or not engine.steps:
             raise SystemExit(f"run {run}: {ended} jobs ended in {engine.steps} steps, not {args.jobs}")
         # Steady state: every job running, none admitted or ending (a tenth cut off each end).
-        gaps = [(b - a) * 1e3 - args.engine_ms for a, b in zip(engine.started, engine.started[1:])]
+        nominal = args.engine_ms + args.engine_gil_ms
+        gaps = [(b - a) * 1e3 - nominal for a, b in zip(engine.started, engine.started[1:])]
         cut = max(1, len(gaps) // 10)
         gaps = sorted(gaps[cut:-cut])
+        stretch = sorted(engine.stretch[cut:-cut])
         rows.append([run + 1, engine.steps, f"{wall:.2f}", f"{(engine.started[0] - t0) * 1e3:.0f}",
-                     f"{gaps[0]:.2f} / {statistics.median(gaps):.2f} / {gaps[-1]:.2f}"])
+                     f"{gaps[0]:.2f} / {statistics.median(gaps):.2f} / {gaps[-1]:.2f}",
+                     f"{statistics.median(stretch):.2f} / {stretch[len(stretch) * 9 // 10]:.2f}"])
     return rows, profile
 
 
@@ -169,11 +181,17 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=256, help="tokens per job (engine steps)")
     p.add_argument("--engine-ms", type=float, default=0.0, dest="engine_ms",
                    help="GIL-free wait per engine step (MLX's evaluation releases the GIL)")
+    p.add_argument("--engine-gil-ms", type=float, default=0.0, dest="engine_gil_ms",
+                   help="GIL-holding Python per engine step, before the GIL-free wait")
+    p.add_argument("--switch-interval", type=float, default=None, dest="switch_interval",
+                   help="sys.setswitchinterval for the run, seconds (Python's default: 0.005)")
     p.add_argument("--runs", type=int, default=3, help="whole serves (0: none)")
     p.add_argument("--profile", action="store_true", help="cProfile the last run: the worker's functions")
     p.add_argument("--parts", action="store_true", help="also time the step's publish and cancel check alone")
     p.add_argument("--steps", type=int, default=400, help="calls timed per part (with --parts)")
     args = p.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     url, stop, kind = start_redis()
     try:
         listener = Redis.from_url(url).pubsub()
@@ -185,10 +203,12 @@ def main() -> None:
         stop()
     print(f"# {command()}\n# redis: {kind}; {args.jobs} jobs\n")
     if rows:
-        print(f"{args.gen} tokens each, engine step {args.engine_ms} ms (GIL free)\n")
+        print(f"{args.gen} tokens each, engine step {args.engine_gil_ms} ms holding the GIL, then "
+              f"{args.engine_ms} ms GIL free; switch interval {sys.getswitchinterval() * 1e3:g} ms\n")
         print(table(["run", "engine steps", "wall s (whole serve: admission and endings too)",
                      "ms until the first step (admitting every job)",
-                     "worker ms between steps, steady state: min / median / max"], rows))
+                     "worker ms between steps, steady state: min / median / max",
+                     "ms a step took past its own, median / p90"], rows))
     if parts:
         print(f"\none call per engine step, {args.steps} steps\n")
         print(table(["per engine step", "ms min / median / max"], parts))
