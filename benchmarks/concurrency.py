@@ -69,20 +69,19 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 from benchmarks.common import command, machine, table  # noqa: E402
 from kiviq.engine.batch_engine import Engine  # noqa: E402
 from kiviq.engine.block_manager import blocks_for_budget  # noqa: E402
-from kiviq.engine.config import EngineConfig  # noqa: E402
 from kiviq.engine.kivi_cache import KiviLayerCache, make_store  # noqa: E402
 from kiviq.engine.kv_store import KiviStore, KVConfig  # noqa: E402
 from kiviq.engine.request import Request  # noqa: E402
 from kiviq.engine.scheduler import Scheduler  # noqa: E402
 from kiviq.engine.sequence import Sequence  # noqa: E402
-from kiviq.engine.setup import GPU_BATCH_TOKENS, context_length  # noqa: E402
+from kiviq.engine.setup import GPU_BATCH_TOKENS, GPU_SEQUENCES, context_length  # noqa: E402
 
 GIB = 1 << 30
 # The engine's defaults (the worker passes neither): admission reserve, tokens per step.
 _ENGINE_DEFAULTS = inspect.signature(Engine.__init__).parameters
 RESERVE_TOKENS = _ENGINE_DEFAULTS["reserve_tokens"].default
 MAX_BATCH_TOKENS = GPU_BATCH_TOKENS[1]  # the default on a large GPU (engine.setup.default_batch_tokens)
-WORKER_MAX_ACTIVE = EngineConfig().max_sequences  # `kiviq worker --max-active` default
+WORKER_MAX_ACTIVE = GPU_SEQUENCES[0]  # the least `kiviq worker --max-active` picks on a GPU
 TARGETS = {4: 2.8, 2: 4.0}  # issue #5: concurrent 16k sequences vs fp16
 
 # name: (layers, kv heads, head_dim, query heads, model context window)

@@ -230,10 +230,17 @@ def run_raw(args, wargs: list[str], model: dict, prompts: list[list[str]], out: 
 def benchmark(args: argparse.Namespace) -> dict:
     """Run everything; returns the results (``checks`` says whether they hold)."""
     wargs = worker_args(args)
+    from kiviq.engine.setup import CPU_SEQUENCES, GPU_SEQUENCES
     from kiviq.worker.cli import build_parser as worker_parser
 
     max_active = worker_parser().parse_args(wargs).max_active  # a bad flag fails here, before anything starts
-    if max_active < args.jobs:
+    if max_active is None:  # the worker picks it for its device: at least this many
+        max_active = min(GPU_SEQUENCES[0], CPU_SEQUENCES)
+        if max_active < args.jobs:
+            print(f"note: the worker picks --max-active for its device ({GPU_SEQUENCES[0]}-{GPU_SEQUENCES[1]} on a "
+                  f"GPU, {CPU_SEQUENCES} on a CPU); tokens are compared with the raw engine's only when every job "
+                  f"runs at once (--worker-arg='--max-active {args.jobs}')", flush=True)
+    elif max_active < args.jobs:
         print(f"note: the worker holds {max_active} sequences at once (--max-active); the other jobs queue "
               f"(--worker-arg='--max-active {args.jobs}' runs all at once)", flush=True)
     procs = args.client_procs or max(1, min(4, args.jobs, (os.cpu_count() or 1) // 4))

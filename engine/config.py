@@ -82,7 +82,8 @@ class EngineConfig:
         kv_residual: R, the fp16 window of most recent tokens (a multiple of G).
         kv_flush_blocks: k, blocks quantized per flush (see KVConfig).
         kv_memory: byte budget of the KV store; None: a quarter of device memory.
-        max_sequences: sequences the store holds at once.
+        max_sequences: sequences the store holds at once; None: chosen for the
+            device and the KV budget (``engine.setup.default_max_sequences``).
         max_batch_tokens: tokens fed to the model per step (decode + prefill);
             None: chosen for the device (``engine.setup.default_batch_tokens``).
         prefill_while_decoding: prompt tokens a step prefills at most while
@@ -104,7 +105,7 @@ class EngineConfig:
     kv_residual: int = 128
     kv_flush_blocks: int = 1
     kv_memory: int | None = None
-    max_sequences: int = 32
+    max_sequences: int | None = None
     max_batch_tokens: int | None = None
     prefill_while_decoding: int | None = None
     compile_decode: bool | None = None
@@ -128,7 +129,7 @@ class EngineConfig:
             raise ValueError(f"kv_flush_blocks must be >= 1, got {self.kv_flush_blocks}")
         if self.kv_memory is not None and self.kv_memory < 1:
             raise ValueError(f"kv_memory must be a positive byte count or None, got {self.kv_memory}")
-        if self.max_sequences < 1:
+        if self.max_sequences is not None and self.max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
         if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")

@@ -201,6 +201,15 @@ def default_kv_memory() -> int:
     return int(min(total // 4, 64 << 30))
 
 
+def store_sizes(model: nn.Module, config: KVConfig, dtype: mx.Dtype | None = None):
+    """The bytes of one block (all layers) and of one sequence's tail slot in a store
+    for ``model``: ``block_bytes`` and ``slot_bytes`` of a one-block probe's allocator."""
+    layers, n_kv, head_dim = attention_shape(model)
+    probe = KiviStore(layers, n_kv, head_dim, config=config, num_blocks=1, num_slots=1,
+                      dtype=dtype if dtype is not None else model_dtype(model))
+    return probe.blocks
+
+
 def make_store(model: nn.Module, config: KVConfig, *, kv_memory: int | None = None,
                max_sequences: int = 8, context: int | None = None, dtype: mx.Dtype | None = None,
                use_kernel: bool | None = None) -> KiviStore:
@@ -215,8 +224,7 @@ def make_store(model: nn.Module, config: KVConfig, *, kv_memory: int | None = No
     if dtype is None:
         dtype = model_dtype(model)
     budget = kv_memory if kv_memory is not None else default_kv_memory()
-    probe = KiviStore(layers, n_kv, head_dim, config=config, num_blocks=1, num_slots=1, dtype=dtype)
-    sizes = probe.blocks
+    sizes = store_sizes(model, config, dtype)
     num_blocks = blocks_for_budget(budget, block_bytes=sizes.block_bytes, slot_bytes=sizes.slot_bytes,
                                    max_sequences=max_sequences, group_size=config.group_size, context=context)
     if num_blocks < 1:

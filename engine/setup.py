@@ -14,7 +14,7 @@ from kiviq.engine.config import EngineConfig
 from kiviq.engine.decode_attention import install_decode_attention
 from kiviq.engine.flat_quantized import flatten_quantized_matmuls
 from kiviq.engine.fused_projections import fuse_projections
-from kiviq.engine.kivi_cache import attention_shape, make_store, model_dtype
+from kiviq.engine.kivi_cache import attention_shape, default_kv_memory, make_store, model_dtype, store_sizes
 from kiviq.engine.serial_engine import SerialEngine
 
 log = logging.getLogger("kiviq.engine")
@@ -75,6 +75,31 @@ def default_batch_tokens(model: Any, device_memory: int | None = None, on_gpu: b
     return tokens
 
 
+CPU_SEQUENCES = 32
+GPU_SEQUENCES = (32, 128)  # least and most sequences at once on a GPU
+SEQUENCE_TOKENS = 4096  # the sequence length a GPU's default is sized for
+
+
+def default_max_sequences(model: Any, config: EngineConfig, on_gpu: bool | None = None) -> int:
+    """Sequences at once (``--max-active``) when none is configured. On a GPU, as
+    many ``SEQUENCE_TOKENS``-token sequences as the KV budget holds (a tail slot and
+    its blocks each), within ``GPU_SEQUENCES``: a decode step is host-bound, so a
+    larger batch costs little more time per step and makes more tokens (H200,
+    Qwen3-4B shape, 4k tokens: ~9 ms at 32 sequences, ~19 ms at 128;
+    docs/performance.md), and a bulk run of more jobs than the cap waits in line.
+    128 at the Qwen3-4B shape on an H200, 32 on a 24 GB GPU. On a CPU,
+    ``CPU_SEQUENCES``."""
+    if on_gpu is None:
+        on_gpu = mx.default_device() == mx.gpu
+    if not on_gpu:
+        return CPU_SEQUENCES
+    sizes = store_sizes(model, config.kv)
+    per_sequence = sizes.slot_bytes + -(-SEQUENCE_TOKENS // config.kv_group_size) * sizes.block_bytes
+    budget = config.kv_memory if config.kv_memory is not None else default_kv_memory()
+    lo, hi = GPU_SEQUENCES
+    return max(lo, min(hi, budget // per_sequence))
+
+
 def kernel_choice(config: EngineConfig, model: Any) -> bool | None:
     """``use_kernel`` for this worker: the config's, unless the kernels'
     start-up self-check (kiviq.kernels.self_check) reports a disagreement with
@@ -119,6 +144,8 @@ def build_engine(model: Any, tokenizer: Any, config: EngineConfig | None = None,
     if config.kv_bits == 16:
         return SerialEngine(model, tokenizer)
     config = dataclasses.replace(config, use_kernel=kernel_choice(config, model))
+    if config.max_sequences is None:
+        config = dataclasses.replace(config, max_sequences=default_max_sequences(model, config))
     store = make_store(model, config.kv, kv_memory=config.kv_memory, max_sequences=config.max_sequences,
                        context=context_length(model), use_kernel=config.use_kernel)
     if config.max_batch_tokens is None:

@@ -130,6 +130,22 @@ def test_build_engine_compiles_decode_steps_where_mlx_runs_on_a_gpu(smollm2):
     assert plain.runner.compiled is None and plain.kv_store.table_width_multiple == 1
 
 
+def test_build_engine_picks_the_sequences_at_once_for_the_device(smollm2):
+    """Without max_sequences the engine's config says what it chose (the worker's
+    --max-active): the KV budget's 4k-token sequences on a GPU, 32 on a CPU; the
+    store has that many tail slots."""
+    from kiviq.engine import build_engine
+    from kiviq.engine.setup import default_max_sequences
+
+    model, tok = smollm2
+    engine = build_engine(model, tok, kv_memory=1 << 28)
+    chosen = engine.config.max_sequences
+    assert chosen == default_max_sequences(model, engine.config)
+    assert engine.capacity == chosen == engine.kv_store.blocks.num_slots
+    if mx.default_device() != mx.gpu:
+        assert chosen == 32
+
+
 def test_compiled_decode_replays_a_batch_size_seen_again(smollm2):
     """Under continuous batching B moves back and forth (2 -> 1 -> 2 here, as a
     sequence finishes and another joins): a shape traced before replays at once,

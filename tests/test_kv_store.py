@@ -367,6 +367,32 @@ def test_blocks_for_budget_is_what_make_store_allocates():
         make_store(model, config, kv_memory=sizes["slot_bytes"], max_sequences=3, dtype=mx.float32)
 
 
+def test_default_max_sequences_is_what_the_kv_budget_holds_on_a_gpu():
+    """--max-active's default: on a GPU the 4k-token sequences (a tail slot and their
+    blocks) the KV budget holds, within 32-128; on a CPU 32."""
+    from types import SimpleNamespace
+
+    from kiviq.engine.config import EngineConfig
+    from kiviq.engine.kivi_cache import store_sizes
+    from kiviq.engine.setup import GPU_SEQUENCES, SEQUENCE_TOKENS, default_max_sequences
+
+    model = SimpleNamespace(args=SimpleNamespace(num_attention_heads=4, num_key_value_heads=H_KV, head_dim=D,
+                                                 hidden_size=4 * D), layers=[None, None],
+                            parameters=lambda: {"w": mx.zeros((1,), dtype=mx.bfloat16)})
+    config = EngineConfig(kv_group_size=16, kv_residual=32)
+    sizes = store_sizes(model, config.kv)
+    per_sequence = sizes.slot_bytes + SEQUENCE_TOKENS // 16 * sizes.block_bytes
+
+    def pick(budget, on_gpu=True):
+        return default_max_sequences(model, EngineConfig(kv_group_size=16, kv_residual=32, kv_memory=budget),
+                                     on_gpu=on_gpu)
+
+    assert pick(50 * per_sequence + per_sequence - 1) == 50
+    assert pick(10 * per_sequence) == GPU_SEQUENCES[0] == 32  # a small budget keeps 32
+    assert pick(1000 * per_sequence) == GPU_SEQUENCES[1] == 128
+    assert pick(1000 * per_sequence, on_gpu=False) == 32
+
+
 def test_in_place_block_writes_run_with_the_step_before_any_read_and_die_with_a_failed_forward(monkeypatch):
     """Where `dispatch.write_blocks` writes in place (CUDA), its `done` arrays wait in
     the store: `pending()` hands them to the step's evaluation once; a read of a layer's

@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--model", default=None,
                    help="local MLX/HF dir, GGUF file, or HF repo id (default: SmolLM2-135M-Instruct, shipped)")
     w.add_argument("--redis-url", default=None, help=f"Redis to serve (default: $REDIS_URL or {DEFAULT_REDIS_URL})")
-    w.add_argument("--max-active", type=int, default=32, help="most sequences in the engine at once")
+    w.add_argument("--max-active", type=int, default=None,
+                   help="most sequences in the engine at once (default: on a GPU, as many 4k-token sequences as "
+                        "the KV budget holds, 32-128; 32 on a CPU)")
     w.add_argument("--burst", action="store_true", help="exit when the queues are empty")
     w.add_argument("--max-queued", type=int, default=None,
                    help="queue limit in jobs, all priorities, that clients must respect (submit raises QueueFull "

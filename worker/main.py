@@ -33,7 +33,8 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
     """Load ``model`` (default: SmolLM2-135M-Instruct) and serve jobs.
 
     ``config``: the engine's EngineConfig (worker/cli.py builds it from the flags;
-    default: EngineConfig()); its ``max_sequences`` is the worker's ``--max-active``.
+    default: EngineConfig()); its ``max_sequences`` is the worker's ``--max-active``
+    (None: chosen for the device, ``engine.setup.default_max_sequences``).
     ``dequantize``, ``cache_dir``: as in ``engine.load``.
 
     ``warm_up``: before taking jobs, run a short synthetic workload so the first
@@ -101,7 +102,11 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
 
         log.info("warming up (compiling kernels before taking jobs)")
         log.info("warm-up took %.1f s", run_warm_up(engine, lm.args.vocab_size))
-    worker = BatchWorker(engine, connection, max_active=config.max_sequences, name=name, max_queued=max_queued,
+    # The engine's config has --max-active resolved (engine.setup.default_max_sequences);
+    # the serial engine keeps none and holds its own capacity.
+    max_active = c.max_sequences if c.max_sequences is not None else engine.capacity
+    log.info("at most %d sequences at once", max_active)
+    worker = BatchWorker(engine, connection, max_active=max_active, name=name, max_queued=max_queued,
                          grace_s=grace_s, metrics=metrics)
     stats = StatsPublisher(connection, worker.name, metrics).start()  # for `kiviq top`
     try:
