@@ -123,8 +123,9 @@ def loop_runs(args, url: str, listener) -> tuple[list[list], Any]:
     for run in range(args.runs):
         for _ in range(args.jobs):
             client.submit("Tell me about the sea.", max_tokens=args.gen)
-        engine = FreeEngine(args.jobs, args.engine_ms, args.engine_gil_ms)
-        worker = BatchWorker(engine, Redis.from_url(url), max_active=args.jobs, metrics=WorkerMetrics())
+        engine = FreeEngine(args.max_active or args.jobs, args.engine_ms, args.engine_gil_ms)
+        worker = BatchWorker(engine, Redis.from_url(url), max_active=args.max_active or args.jobs,
+                             metrics=WorkerMetrics())
         if args.profile and run == args.runs - 1:
             import cProfile
 
@@ -185,6 +186,9 @@ def main() -> None:
                    help="GIL-holding Python per engine step, before the GIL-free wait")
     p.add_argument("--switch-interval", type=float, default=None, dest="switch_interval",
                    help="sys.setswitchinterval for the run, seconds (Python's default: 0.005)")
+    p.add_argument("--max-active", type=int, default=None, dest="max_active",
+                   help="the worker's --max-active (default: --jobs; more leaves free slots, which it fills from "
+                        "the queues as jobs arrive)")
     p.add_argument("--runs", type=int, default=3, help="whole serves (0: none)")
     p.add_argument("--profile", action="store_true", help="cProfile the last run: the worker's functions")
     p.add_argument("--parts", action="store_true", help="also time the step's publish and cancel check alone")

@@ -165,3 +165,32 @@ def test_a_job_rq_failed_behind_our_back_gets_a_final_event(redis_url, redis_con
         handle.result(timeout=5)
     requeue_orphans(redis_conn, queues(redis_conn), max_attempts=3, own=DEAD)
     assert redis_conn.llen(replay_log(handle.job_id)) == 1  # one final event, never two
+
+
+def test_a_worker_with_free_slots_asks_empty_queues_at_most_every_poll_interval(redis_url, redis_conn, monkeypatch):
+    """Beside running jobs, each ask of the queues is a round trip on the engine's
+    thread: once they were found empty the worker asks again only after
+    ADMIT_POLL_S; a job found meanwhile is taken at the next ask."""
+    from types import SimpleNamespace
+
+    from kiviq.worker import service
+
+    engine = SimpleNamespace(capacity=4, tokenizer=None, num_active=0,
+                             model=SimpleNamespace(args=SimpleNamespace(max_position_embeddings=4096)))
+    worker = service.BatchWorker(engine, redis_conn, max_active=4)
+    asked, started = [], []
+    real_claim = claims.claim_next
+    monkeypatch.setattr(claims, "claim_next", lambda *a: asked.append(1) or real_claim(*a))
+    monkeypatch.setattr(worker, "_start", lambda job, queue: started.append(job.id))
+    now = [1000.0]
+    monkeypatch.setattr(service.time, "monotonic", lambda: now[0])
+    worker._admit(block=False)
+    worker._admit(block=False)
+    assert len(asked) == 1  # empty: not asked again within the interval
+    job_id = Client(redis_url).submit(prompt="hi", max_tokens=1).job_id
+    now[0] += service.ADMIT_POLL_S / 2
+    worker._admit(block=False)
+    assert len(asked) == 1 and not started
+    now[0] += service.ADMIT_POLL_S
+    worker._admit(block=False)
+    assert started == [job_id] and len(asked) == 3  # took the job, then found the queues empty

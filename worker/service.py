@@ -49,6 +49,11 @@ log = logging.getLogger("kiviq.worker")
 HEARTBEAT_EVERY_S = min(5.0, ALIVE_TTL_S / 3)
 RECOVERY_EVERY_S = float(os.environ.get("KIVIQ_RECOVERY_EVERY_S", "30"))
 IDLE_DEQUEUE_TIMEOUT_S = 1  # waiting for a job while idle; short so signals are seen
+# With free slots beside running jobs, the queues are asked at most this often once they
+# were found empty: each ask is a Redis round trip on the engine's thread (~0.6 ms per
+# step, benchmarks/worker_loop.py --max-active), and a job arriving then waits at most
+# this long more to be admitted.
+ADMIT_POLL_S = 0.05
 TEARDOWN_WAIT_S = 5.0  # rq's own cleanup at shutdown, at most (BatchWorker._teardown_within)
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinities)
 
@@ -88,6 +93,7 @@ class BatchWorker(SimpleWorker):
         self._outbox_endings: list[tuple[str, Callable[[], None], int]] = []
         self._last_heartbeat = 0.0
         self._last_recovery = 0.0
+        self._next_admit_poll = 0.0  # the queues were empty: ask again after this (ADMIT_POLL_S)
         self._stop_at: float | None = None
         self._token_texts: dict[int, str] = {}
 
@@ -214,6 +220,8 @@ class BatchWorker(SimpleWorker):
     # ---- admission -------------------------------------------------------
 
     def _admit(self, block: bool) -> None:
+        if not block and time.monotonic() < self._next_admit_poll:
+            return
         by_key = {q.key: q for q in self._ordered_queues}
         keys = list(by_key)
         while len(self.active) < self.max_active:
@@ -222,6 +230,7 @@ class BatchWorker(SimpleWorker):
             else:
                 found = claims.claim_next(self.connection, keys, self.name)
             if found is None:
+                self._next_admit_poll = time.monotonic() + ADMIT_POLL_S
                 return
             block = False
             queue, job_id = by_key[found[0]], found[1]
