@@ -85,7 +85,7 @@ def default_max_sequences(model: Any, config: EngineConfig, on_gpu: bool | None 
     many ``SEQUENCE_TOKENS``-token sequences as the KV budget holds (a tail slot and
     its blocks each), within ``GPU_SEQUENCES``: a decode step is host-bound, so a
     larger batch costs little more time per step and makes more tokens (H200,
-    Qwen3-4B shape, 4k tokens: ~9 ms at 32 sequences, ~19 ms at 128;
+    Qwen3-4B shape, 4k tokens: 9-14 ms per step at 32 sequences, 19 ms at 128;
     docs/performance.md), and a bulk run of more jobs than the cap waits in line.
     128 at the Qwen3-4B shape on an H200, 32 on a 24 GB GPU. On a CPU,
     ``CPU_SEQUENCES``."""
