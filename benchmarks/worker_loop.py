@@ -123,9 +123,9 @@ def loop_runs(args, url: str, listener) -> tuple[list[list], Any]:
     for run in range(args.runs):
         for _ in range(args.jobs):
             client.submit("Tell me about the sea.", max_tokens=args.gen)
-        engine = FreeEngine(args.max_active or args.jobs, args.engine_ms, args.engine_gil_ms)
-        worker = BatchWorker(engine, Redis.from_url(url), max_active=args.max_active or args.jobs,
-                             metrics=WorkerMetrics())
+        slots = args.max_active or args.jobs
+        engine = FreeEngine(slots, args.engine_ms, args.engine_gil_ms)
+        worker = BatchWorker(engine, Redis.from_url(url), max_active=slots, metrics=WorkerMetrics())
         if args.profile and run == args.runs - 1:
             import cProfile
 
