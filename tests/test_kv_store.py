@@ -344,19 +344,26 @@ def test_block_manager_is_pure_python_and_owns_blocks_slots_and_tables():
     assert blocks.used_bytes() == 10 + 100
 
 
+def stub_model(dtype=mx.float32):
+    """What the store's sizing reads of an mlx-lm model: two layers of H_KV heads of
+    D channels, and one parameter in ``dtype``. No weights."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(args=SimpleNamespace(num_attention_heads=4, num_key_value_heads=H_KV, head_dim=D,
+                                                hidden_size=4 * D), layers=[None, None],
+                           parameters=lambda: {"w": mx.zeros((1,), dtype=dtype)})
+
+
 def test_blocks_for_budget_is_what_make_store_allocates():
     """The sizing rule (bytes left after the tails, capped by what max_sequences
     full-context sequences need) decides the real store's block count."""
-    from types import SimpleNamespace
-
     from kiviq.engine.block_manager import blocks_for_budget
     from kiviq.engine.kivi_cache import make_store
 
     config = KVConfig(4, 16, 32)
     probe = KiviStore(2, H_KV, D, config=config, num_blocks=1, num_slots=1, dtype=mx.float32)
     sizes = dict(block_bytes=probe.blocks.block_bytes, slot_bytes=probe.blocks.slot_bytes, group_size=16)
-    model = SimpleNamespace(args=SimpleNamespace(num_attention_heads=4, num_key_value_heads=H_KV, head_dim=D,
-                                                 hidden_size=4 * D), layers=[None, None])
+    model = stub_model()
     budget = 3 * sizes["slot_bytes"] + 50 * sizes["block_bytes"] + 7
     store = make_store(model, config, kv_memory=budget, max_sequences=3, dtype=mx.float32)
     assert store.blocks.num_blocks == blocks_for_budget(budget, max_sequences=3, **sizes) == 50
@@ -370,15 +377,11 @@ def test_blocks_for_budget_is_what_make_store_allocates():
 def test_default_max_sequences_is_what_the_kv_budget_holds_on_a_gpu():
     """--max-active's default: on a GPU the 4k-token sequences (a tail slot and their
     blocks) the KV budget holds, within 32-128; on a CPU 32."""
-    from types import SimpleNamespace
-
     from kiviq.engine.config import EngineConfig
     from kiviq.engine.kivi_cache import store_sizes
     from kiviq.engine.setup import GPU_SEQUENCES, SEQUENCE_TOKENS, default_max_sequences
 
-    model = SimpleNamespace(args=SimpleNamespace(num_attention_heads=4, num_key_value_heads=H_KV, head_dim=D,
-                                                 hidden_size=4 * D), layers=[None, None],
-                            parameters=lambda: {"w": mx.zeros((1,), dtype=mx.bfloat16)})
+    model = stub_model(mx.bfloat16)
     config = EngineConfig(kv_group_size=16, kv_residual=32)
     sizes = store_sizes(model, config.kv)
     per_sequence = sizes.slot_bytes + SEQUENCE_TOKENS // 16 * sizes.block_bytes
