@@ -9,15 +9,21 @@ from kiviq.jobs.keys import event_channel, replay_log
 from kiviq.jobs.models import StreamEvent
 from kiviq.jobs.streams import REPLAY_MAX_EVENTS, REPLAY_TTL_S
 
-# KEYS: each event's replay log. ARGV: the log's cap and TTL, then per event its
-# channel and its JSON. Each event goes into its log before it is published (and
-# the script runs atomically besides), so a reader that wakes on the message
-# finds the event in the log; then every log named is capped and its TTL renewed.
+# KEYS: each event's replay log. ARGV: the log's cap and TTL, then every event's
+# channel and every event's JSON, each list joined by newlines (a channel name
+# holds none, and JSON escapes them in strings): three arguments whatever the
+# batch, where redis-py would encode two per event on the publishing thread.
+# Each event goes into its log before it is published (and the script runs
+# atomically besides), so a reader that wakes on the message finds the event in
+# the log; then every log named is capped and its TTL renewed.
 _PUBLISH_SCRIPT = """
 local cap, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local channels, events = {}, {}
+for c in string.gmatch(ARGV[3], "[^\\n]+") do channels[#channels + 1] = c end
+for e in string.gmatch(ARGV[4], "[^\\n]+") do events[#events + 1] = e end
 for i = 1, #KEYS do
-  redis.call('RPUSH', KEYS[i], ARGV[2 * i + 2])
-  redis.call('PUBLISH', ARGV[2 * i + 1], ARGV[2 * i + 2])
+  redis.call('RPUSH', KEYS[i], events[i])
+  redis.call('PUBLISH', channels[i], events[i])
 end
 for i = 1, #KEYS do
   if i == 1 or KEYS[i] ~= KEYS[i - 1] then
@@ -50,7 +56,7 @@ class EventPublisher:
     def publish(self, events: list[StreamEvent]) -> None:
         if not events:
             return
-        args: list[str | int] = [REPLAY_MAX_EVENTS, REPLAY_TTL_S]
-        for event in events:
-            args += [event_channel(event.job_id), event.model_dump_json(exclude_none=True)]
-        _PUBLISH(keys=[replay_log(e.job_id) for e in events], args=args, client=self.redis)
+        channels = "\n".join(event_channel(e.job_id) for e in events)
+        payloads = "\n".join(e.model_dump_json(exclude_none=True) for e in events)
+        _PUBLISH(keys=[replay_log(e.job_id) for e in events],
+                 args=[REPLAY_MAX_EVENTS, REPLAY_TTL_S, channels, payloads], client=self.redis)

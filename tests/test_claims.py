@@ -50,6 +50,22 @@ def test_claim_takes_the_highest_priority_job_first_and_records_it(redis_url, re
     assert claims.claimed(redis_conn, DEAD) == [high.job_id, second.job_id, low.job_id]
 
 
+def test_claim_batch_takes_up_to_its_limit_in_priority_order_in_one_call(redis_url, redis_conn):
+    client = Client(redis_url)
+    low = client.submit(prompt="low", max_tokens=1, priority="low")
+    first = client.submit(prompt="a", max_tokens=1)
+    second = client.submit(prompt="b", max_tokens=1)
+    high = client.submit(prompt="high", max_tokens=1, priority="high")
+    taken = claims.claim_batch(redis_conn, keys(redis_conn), DEAD, 3)
+    assert [job_id for _, job_id in taken] == [high.job_id, first.job_id, second.job_id]
+    assert [key for key, _ in taken] == [queues(redis_conn)[0].key, queues(redis_conn)[1].key,
+                                         queues(redis_conn)[1].key]
+    assert claims.claimed(redis_conn, DEAD) == [high.job_id, first.job_id, second.job_id]
+    assert claims.claim_batch(redis_conn, keys(redis_conn), DEAD, 5) == [(queues(redis_conn)[2].key, low.job_id)]
+    assert claims.claim_batch(redis_conn, keys(redis_conn), DEAD, 5) == []
+    assert client.queued() == 0 and len(claims.claimed(redis_conn, DEAD)) == 4
+
+
 def test_wait_and_claim_returns_none_after_the_timeout(redis_conn):
     assert claims.wait_and_claim(redis_conn, keys(redis_conn), DEAD, timeout_s=0.1) is None
 
@@ -179,9 +195,9 @@ def test_a_worker_with_free_slots_asks_empty_queues_at_most_every_poll_interval(
                              model=SimpleNamespace(args=SimpleNamespace(max_position_embeddings=4096)))
     worker = service.BatchWorker(engine, redis_conn, max_active=4)
     asked, started = [], []
-    real_claim = claims.claim_next
-    monkeypatch.setattr(claims, "claim_next", lambda *a: asked.append(1) or real_claim(*a))
-    monkeypatch.setattr(worker, "_start", lambda job, queue: started.append(job.id))
+    real_claim = claims.claim_batch
+    monkeypatch.setattr(claims, "claim_batch", lambda *a: asked.append(1) or real_claim(*a))
+    monkeypatch.setattr(worker, "_start_claimed", lambda claimed: started.extend(job_id for _, job_id in claimed))
     now = [1000.0]
     monkeypatch.setattr(service.time, "monotonic", lambda: now[0])
     worker._admit(block=False)

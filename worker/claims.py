@@ -20,18 +20,21 @@ from redis.commands.core import Script
 
 from kiviq.jobs.keys import claim_key, claim_pattern
 
-# KEYS: the queue keys in priority order, then the claim list. A script runs
-# atomically, so the id is always in exactly one of the two lists.
+# KEYS: the queue keys in priority order, then the claim list; ARGV[1]: the most
+# ids to take. A script runs atomically, so an id is always in exactly one of
+# the lists. Returns queue key, id, queue key, id, ...
 _CLAIM_SCRIPT = """
-local claim = KEYS[#KEYS]
+local claim, limit, out = KEYS[#KEYS], tonumber(ARGV[1]), {}
 for i = 1, #KEYS - 1 do
-  local id = redis.call('LPOP', KEYS[i])
-  if id then
+  while #out < 2 * limit do
+    local id = redis.call('LPOP', KEYS[i])
+    if not id then break end
     redis.call('RPUSH', claim, id)
-    return {KEYS[i], id}
+    out[#out + 1] = KEYS[i]
+    out[#out + 1] = id
   end
 end
-return false
+return out
 """
 
 # Sent by SHA once loaded (redis-py's Script falls back to EVAL when a server lacks it).
@@ -42,17 +45,26 @@ _CLAIM = Script(None, _CLAIM_SCRIPT.encode())  # bytes: no client needed for its
 IDLE_POLL_S = 0.02
 
 
+def claim_batch(conn: Redis, queue_keys: list[str], worker_name: str, limit: int) -> list[tuple[str, str]]:
+    """Move up to ``limit`` job ids, first queue first, onto the worker's claim
+    list in one call: a worker with many free slots admits a burst of jobs
+    without a round trip per job.
+
+    Returns:
+        (queue key, job id) pairs in the order taken; empty when every queue is.
+    """
+    found = _CLAIM(keys=[*queue_keys, claim_key(worker_name)], args=[max(1, limit)], client=conn)
+    return [(_text(found[i]), _text(found[i + 1])) for i in range(0, len(found), 2)]
+
+
 def claim_next(conn: Redis, queue_keys: list[str], worker_name: str) -> tuple[str, str] | None:
     """Move the first job id of the first non-empty queue onto the worker's claim list.
 
     Returns:
         (queue key, job id), or None when every queue is empty.
     """
-    found = _CLAIM(keys=[*queue_keys, claim_key(worker_name)], client=conn)
-    if not found:
-        return None
-    key, job_id = found
-    return _text(key), _text(job_id)
+    found = claim_batch(conn, queue_keys, worker_name, 1)
+    return found[0] if found else None
 
 
 def wait_and_claim(conn: Redis, queue_keys: list[str], worker_name: str, timeout_s: float) -> tuple[str, str] | None:

@@ -243,27 +243,35 @@ class WorkerMetrics:
         self.ttft.observe(max(0.0, ttft_s))
 
     def tokens(self, job_id: str, n: int, now: float | None = None) -> None:
-        """``n`` tokens of a job came out of one step. The gap since that
-        job's previous tokens, split evenly over the ``n``, is its
-        inter-token latency (its first tokens have none: that is TTFT)."""
-        if n <= 0:
-            return
+        """``n`` tokens of a job came out of one step (``step_tokens`` for one job)."""
+        self.step_tokens([(job_id, n)], now)
+
+    def step_tokens(self, counts: list[tuple[str, int]], now: float | None = None) -> None:
+        """The tokens each job got from one step, as (job id, n) pairs: one
+        lock and one clock read for the whole step. The gap since a job's
+        previous tokens, split evenly over its ``n``, is its inter-token
+        latency (its first tokens have none: that is TTFT)."""
         with self._lock:
             t = self._clock() if now is None else now
-            st = self._jobs.get(job_id)
-            if st is None:
-                st = self._jobs[job_id] = _JobState(t)
-                self.active.set(len(self._jobs))
-            if st.last_token_at is not None:
-                gap = max(0.0, t - st.last_token_at) / n
-                for _ in range(n):
-                    self.itl.observe(gap)
-            else:
-                st.first_token_at = t
-            st.last_token_at = t
-            st.tokens_seen += n
-            self._add_generated(n)
-            self._tokens_since_step += n
+            jobs, observe, total = self._jobs, self.itl.observe, 0
+            for job_id, n in counts:
+                if n <= 0:
+                    continue
+                st = jobs.get(job_id)
+                if st is None:
+                    st = jobs[job_id] = _JobState(t)
+                    self.active.set(len(jobs))
+                if st.last_token_at is not None:
+                    gap = max(0.0, t - st.last_token_at) / n
+                    for _ in range(n):
+                        observe(gap)
+                else:
+                    st.first_token_at = t
+                st.last_token_at = t
+                st.tokens_seen += n
+                total += n
+            self._add_generated(total)
+            self._tokens_since_step += total
 
     def _add_generated(self, n: int) -> None:
         if n > 0:

@@ -6,7 +6,7 @@ pieces itself (DESIGN.md, "rq 3.0 facts"): ``worker.claims`` to pull (in
 place of ``Queue.dequeue_any``, which can lose a job to a kill),
 ``prepare_execution`` / ``prepare_job_execution`` to mark a job started,
 ``handle_job_success`` / ``handle_job_failure`` / ``Job.cancel`` when its
-sequence ends, and ``maintain_heartbeats`` while it runs.
+sequence ends, and rq's heartbeats while it runs (``worker.heartbeats``).
 
 A step's events go to Redis through an outbox whose thread publishes them
 (and reads cancel flags) while the engine computes the next step; a job's rq
@@ -27,19 +27,20 @@ from typing import Any
 
 import redis
 from rq import Queue, SimpleWorker
-from rq.exceptions import DeserializationError, NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.utils import now
 from rq.worker import WorkerStatus
 
 from kiviq.engine.setup import context_length
-from kiviq.jobs.keys import TASK_PATH, cancel_flag, max_queued_key, queue_names, replay_log
-from kiviq.jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, TokenLogprob, TopLogprob
+from kiviq.jobs.keys import cancel_flag, max_queued_key, queue_names
+from kiviq.jobs.models import EventType, FinishReason, GenerationResult, StreamEvent
 from kiviq.jobs.validation import validate_request
-from kiviq.worker import claims
+from kiviq.worker import admission, claims
 from kiviq.worker.active_job import ActiveJob, describe_error, queue_wait
-from kiviq.worker.prompts import build_request
+from kiviq.worker.heartbeats import heartbeat_running
+from kiviq.worker.logprobs import LogprobConverter
+from kiviq.worker.prompts import build_request, encode_prompts
 from kiviq.worker.metrics import PhaseClock
 from kiviq.worker.outbox import Outbox
 from kiviq.worker.recovery import ALIVE_TTL_S, RECOVERY_LOCK_MS, mark_alive, mark_dead, requeue_orphans
@@ -55,7 +56,6 @@ IDLE_DEQUEUE_TIMEOUT_S = 1  # waiting for a job while idle; short so signals are
 # this long more to be admitted.
 ADMIT_POLL_S = 0.05
 TEARDOWN_WAIT_S = 5.0  # rq's own cleanup at shutdown, at most (BatchWorker._teardown_within)
-LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinities)
 
 
 class BatchWorker(SimpleWorker):
@@ -95,7 +95,8 @@ class BatchWorker(SimpleWorker):
         self._last_recovery = 0.0
         self._next_admit_poll = 0.0  # the queues were empty: ask again after this (ADMIT_POLL_S)
         self._stop_at: float | None = None
-        self._token_texts: dict[int, str] = {}
+        self._logprobs = LogprobConverter(engine.tokenizer)
+        self.ended = 0  # jobs ended (finished, failed or cancelled) in this serve()
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -206,9 +207,10 @@ class BatchWorker(SimpleWorker):
         if t - self._last_heartbeat >= HEARTBEAT_EVERY_S:
             self._last_heartbeat = t
             mark_alive(self.connection, self.name)
-            self.heartbeat()
-            for active in self.active.values():
-                self.maintain_heartbeats(active.job, active.execution)
+            if self.active:
+                heartbeat_running(self, list(self.active.values()))
+            else:
+                self.heartbeat()
         if t - self._last_recovery >= RECOVERY_EVERY_S:
             self._last_recovery = t
             running = set(self.active) | {job_id for job_id, _, _ in self._outbox_endings}
@@ -227,70 +229,100 @@ class BatchWorker(SimpleWorker):
         while len(self.active) < self.max_active:
             if block:
                 found = claims.wait_and_claim(self.connection, keys, self.name, IDLE_DEQUEUE_TIMEOUT_S)
+                claimed = [found] if found is not None else []
             else:
-                found = claims.claim_next(self.connection, keys, self.name)
-            if found is None:
+                claimed = claims.claim_batch(self.connection, keys, self.name, self.max_active - len(self.active))
+            if not claimed:
                 self._next_admit_poll = time.monotonic() + ADMIT_POLL_S
                 return
             block = False
-            queue, job_id = by_key[found[0]], found[1]
-            if job_id in self.active:  # queued twice while it runs: this copy has nothing to do
-                claims.release(self.connection, self.name, job_id)
-                continue
-            try:
-                job = self.job_class.fetch(job_id, connection=self.connection, serializer=self.serializer)
-            except NoSuchJobError:  # deleted while queued: nothing to run
-                claims.release(self.connection, self.name, job_id)
-                continue
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-                raise  # the claim stays; recovery requeues it if we never come back
-            except Exception as e:  # a job whose hash cannot even be read
-                self._fail_unreadable(job_id, queue, e)
-                continue
-            self._start(job, queue)
+            self._start_claimed([(by_key[key], job_id) for key, job_id in claimed])
 
-    def _start(self, job: Job, queue: Queue) -> None:
+    def _start_claimed(self, claimed: list[tuple[Queue, str]]) -> None:
+        """Start the jobs just claimed, in order; their data and streams are read
+        in one pipeline each (``worker.admission``)."""
+        fresh, seen = [], set(self.active)
+        for queue, job_id in claimed:
+            if job_id in seen:  # queued twice while it runs: this copy has nothing to do
+                claims.release(self.connection, self.name, job_id)
+            else:
+                seen.add(job_id)
+                fresh.append((queue, job_id))
+        ids = [job_id for _, job_id in fresh]
+        # If Redis goes away here the claims stay; recovery requeues them if we never come back.
+        jobs = admission.fetch_jobs(self.connection, ids, self.job_class, self.serializer)
+        states = admission.stream_states(self.connection, ids)
+        opened = []  # (active, its validated request): encoded together, then added in order
+        try:
+            for (queue, job_id), job, state in zip(fresh, jobs, states):
+                if job is None:  # deleted while queued: nothing to run
+                    claims.release(self.connection, self.name, job_id)
+                elif isinstance(job, Exception):  # a job whose hash cannot even be read
+                    self._fail_unreadable(job_id, queue, job)
+                else:
+                    started = self._open(job, queue, state)
+                    if started is not None:
+                        opened.append(started)
+        finally:  # Redis gone midway: the jobs marked started still run (the rest stay claimed)
+            self._submit(opened)
+
+    def _submit(self, opened: list[tuple[ActiveJob, Any]]) -> None:
+        """Encode the opened jobs' prompts in one batch and add them to the engine, in order."""
+        prompts = encode_prompts(self.engine.tokenizer, [request for _, request in opened])
+        for (active, request), tokens in zip(opened, prompts):
+            try:
+                if isinstance(tokens, Exception):
+                    raise tokens
+                engine_request = build_request(active.job.id, request, self.engine.tokenizer, self.max_context,
+                                               tokens=tokens)
+            except Exception as e:
+                self._finish_failed(active, describe_error(e))
+                continue
+            active.prompt_tokens = len(engine_request.prompt_tokens)
+            if engine_request.sampling.logprobs is not None:
+                active.logprobs = []
+            self.engine.add(engine_request)
+            log.info("job %s admitted (%d prompt tokens)", active.job.id, active.prompt_tokens)
+
+    def _open(self, job: Job, queue: Queue, stream: admission.StreamState) -> tuple[ActiveJob, Any] | None:
+        """Mark a claimed job started in rq and track it; returns it with its
+        validated request, or None when it ended here (already ended, cancelled,
+        or a request that fails validation)."""
         execution = self.prepare_execution(job)
         try:
-            payload, error = self._job_payload(job), None
+            payload, error = admission.job_payload(job), None
         except Exception as e:  # checked before rq touches the job's data itself
             payload, error = None, e
         if error is None:
             self.prepare_job_execution(job)
         job.started_at = now()
-        active = ActiveJob(job, queue, execution, self.outbox.publisher.next_seq(job.id))
+        active = ActiveJob(job, queue, execution, stream.next_seq)
         self.active[job.id] = active
         if self.metrics is not None:  # taken from its queue: admitted, whatever happens next
             self.metrics.job_admitted(job.id, queue_wait(job), queue.name)
-        if self._already_ended(active):
-            return
+        if self._already_ended(active, stream.last_event):
+            return None
         if active.next_seq > 0:  # a requeued job: clients drop what they saw
             self._outbox_events.append(self._event(active, EventType.restarted))
-        if self.connection.exists(cancel_flag(job.id)):
+        if stream.cancel_requested:
             self._cancel(active)
-            return
+            return None
         try:
             if error is not None:
                 raise error
-            request = validate_request(payload)
-            engine_request = build_request(job.id, request, self.engine.tokenizer, self.max_context)
+            return active, validate_request(payload)
         except Exception as e:
             self._finish_failed(active, describe_error(e))
-            return
-        active.prompt_tokens = len(engine_request.prompt_tokens)
-        if engine_request.sampling.logprobs is not None:
-            active.logprobs = []
-        self.engine.add(engine_request)
-        log.info("job %s admitted (%d prompt tokens)", job.id, active.prompt_tokens)
+            return None
 
-    def _already_ended(self, active: ActiveJob) -> bool:
+    def _already_ended(self, active: ActiveJob, last_event: bytes | None) -> bool:
         """A worker that died after publishing a job's final event but before
         recording it in rq leaves the job to be requeued; finish the rq side
-        from that event instead of generating (and publishing) it twice."""
-        last = self.connection.lrange(replay_log(active.job.id), -1, -1)
-        if not last:
+        from that event (its stream's last) instead of generating (and
+        publishing) it twice."""
+        if not last_event:
             return False
-        event = StreamEvent.model_validate_json(last[0])
+        event = StreamEvent.model_validate_json(last_event)
         if event.type == EventType.done and event.result is not None:
             self._record_success(active, event.result)
         elif event.type == EventType.error:
@@ -300,19 +332,6 @@ class BatchWorker(SimpleWorker):
         self._ended(active, "finished" if event.type == EventType.done else "failed", event.finish_reason)
         log.info("job %s had already ended (%s); recorded without rerunning", active.job.id, event.type.value)
         return True
-
-    @staticmethod
-    def _job_payload(job: Job) -> Any:
-        """The request dict of a kiviq job; anything else is malformed."""
-        try:
-            job.func_name
-        except DeserializationError as e:
-            raise ValueError(f"job data is not valid serialized JSON ({e.__cause__ or e})") from None
-        if job.func_name != TASK_PATH:
-            raise ValueError(f"job function must be {TASK_PATH!r}, got {job.func_name!r}")
-        if len(job.args) != 1 or job.kwargs:
-            raise ValueError("a kiviq job takes exactly one positional argument: the request object")
-        return job.args[0]
 
     # ---- stepping --------------------------------------------------------
 
@@ -326,49 +345,41 @@ class BatchWorker(SimpleWorker):
     def _step(self) -> None:
         started = time.monotonic()
         events = self.engine.step()
+        returned = time.monotonic()
+        counts = []  # (job id, tokens) of this step, for the metrics in one call
+        endings = []
         for ev in events:
-            active = self.active.get(ev.request_id)
+            job_id = ev.request_id
+            active = self.active.get(job_id)
             if active is None:
                 continue
-            if ev.token_ids and active.first_token_at is None:
-                active.first_token_at = time.monotonic()
-                if self.metrics is not None:
-                    self.metrics.first_token(active.job.id, active.first_token_at - active.admitted_at)
-            if self.metrics is not None and ev.token_ids:
-                self.metrics.tokens(active.job.id, len(ev.token_ids))
-            active.token_ids.extend(ev.token_ids)
-            active.text.append(ev.text)
             logprobs = None
-            if active.logprobs is not None and ev.token_ids:
-                logprobs = self._logprobs(ev.logprobs or [])
-                active.logprobs.extend(logprobs)
+            if ev.token_ids:
+                if active.first_token_at is None:
+                    active.first_token_at = returned
+                    if self.metrics is not None:
+                        self.metrics.first_token(job_id, returned - active.admitted_at)
+                counts.append((job_id, len(ev.token_ids)))
+                active.token_ids.extend(ev.token_ids)
+                if active.logprobs is not None:
+                    logprobs = self._logprobs(ev.logprobs or [])
+                    active.logprobs.extend(logprobs)
+            active.text.append(ev.text)
             if ev.text or ev.token_ids:
-                self._outbox_events.append(self._event(active, EventType.token, text=ev.text, token_ids=ev.token_ids,
-                                                       logprobs=logprobs))
+                self._outbox_events.append(StreamEvent(job_id=job_id, seq=active.next_seq, type=EventType.token,
+                                                       text=ev.text, token_ids=ev.token_ids, logprobs=logprobs))
+                active.next_seq += 1
+            if ev.finish_reason is not None:
+                endings.append((active, ev))
+        if self.metrics is not None:  # before the endings: a job's last tokens count before it ends
+            self.metrics.step_tokens(counts)
+        for active, ev in endings:
             if ev.finish_reason == FinishReason.error.value:
                 self._finish_failed(active, ev.error or "generation failed")
-            elif ev.finish_reason is not None:
+            else:
                 self._finish_ok(active, FinishReason(ev.finish_reason))
         if self.metrics is not None:
             self.metrics.observe_engine_step(self.engine, time.monotonic() - started)
-
-    def _token_text(self, token_id: int) -> str:
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.engine.tokenizer.decode([token_id])
-        return text
-
-    def _logprobs(self, entries: list) -> list[TokenLogprob]:
-        """Engine logprobs -> the job contract's, with each token's text."""
-        def finite(lp: float) -> float:  # -inf (and NaN) would not survive JSON
-            return lp if lp >= LOGPROB_FLOOR else LOGPROB_FLOOR
-
-        out = []
-        for e in entries:
-            top = [TopLogprob(token_id=t, token=self._token_text(t), logprob=finite(lp)) for t, lp in e.top]
-            out.append(TokenLogprob(token_id=e.token_id, token=self._token_text(e.token_id),
-                                    logprob=finite(e.logprob), top_logprobs=top))
-        return out
 
     def _event(self, active: ActiveJob, type_: EventType, **fields) -> StreamEvent:
         event = StreamEvent(job_id=active.job.id, seq=active.next_seq, type=type_, **fields)
@@ -472,16 +483,8 @@ class BatchWorker(SimpleWorker):
     def _fail_unreadable(self, job_id: str, queue: Queue, error: Exception) -> None:
         """Record a job whose stored data could not be loaded at all."""
         log.warning("job %s unreadable: %s", job_id, error)
-        message = f"unreadable job data: {describe_error(error)}"
-        job = Job(id=job_id, connection=self.connection, serializer=self.serializer)
-        with self.connection.pipeline() as pipe:
-            queue.failed_job_registry.add(job, exc_string=message, pipeline=pipe)
-            pipe.hset(job.key, mapping={"status": JobStatus.FAILED.value, "exc_info": message})
-            claims.release(pipe, self.name, job_id)
-            pipe.execute()
-        publisher = self.outbox.publisher
-        publisher.publish([StreamEvent(job_id=job_id, seq=publisher.next_seq(job_id),
-                                            type=EventType.error, finish_reason=FinishReason.error, error=message)])
+        admission.fail_unreadable(self.connection, self.outbox.publisher, self.name, job_id, queue,
+                                  f"unreadable job data: {describe_error(error)}")
         if self.metrics is not None:  # taken from a queue and ended: counted like any other job
             self.metrics.job_admitted(job_id, 0.0, queue.name)
             self.metrics.job_finished(job_id, "failed", 0.0, 0, 0)
