@@ -16,6 +16,13 @@ are grouped otherwise). ``--submit live`` submits while the worker runs. Then, i
 with the EngineConfig the worker builds from the same flags, warmed up where
 the worker warms up) runs the same requests, run for run.
 
+With 4 or more CPUs (``--split-cpus``, the default) the worker runs on the
+lower half of this process's CPUs and the client processes and Redis, which
+stand in for other machines, on the upper half; the raw engine then runs on
+the worker's half. On the H200 host, sharing CPUs with them made the worker's
+engine steps up to 6 ms (of ~20) longer than the raw engine's
+(docs/performance.md, "The whole service on the bulk workload").
+
 Reported per run: generated and prompt tokens/s end to end, the time until
 every job had its first token (and the prompt tokens/s over it), TTFT p50/p99
 (from the start of the clock, or a live job's submission, to its first token
@@ -57,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.service_measure import (CheckFailed, check_streams, compare_tokens, raw_run,  # noqa: E402
                                         service_run, summarize, worker_steps)
 from benchmarks.service_setup import (RedisProcess, WorkerProcess, default_model_dir, load_tokenizer,  # noqa: E402
-                                      make_prompts, random_model_dir)
+                                      make_prompts, pin_this_process, random_model_dir, split_cpus)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-procs", type=int, default=None,
                    help="client processes the jobs are split over (default: 1 on up to 7 cores, else up to 4)")
     p.add_argument("--no-raw", action="store_true", help="skip the raw engine (and the service == raw check)")
+    p.add_argument("--split-cpus", action=argparse.BooleanOptionalAction, default=True,
+                   help="with 4 or more CPUs: the worker on the lower half, the client processes and Redis (stand-ins "
+                        "for other machines) on the upper half, then the raw engine on the worker's half")
     p.add_argument("--redis", choices=("auto", "embedded"), default="auto",
                    help="auto: a redis-server binary (--redis-server, else PATH); embedded: the fakeredis server")
     p.add_argument("--redis-server", default=None, help="the redis-server executable to use (default: PATH's)")
@@ -154,13 +164,17 @@ def run_service(args, wargs: list[str], model: dict, prompts: list[list[str]], o
     from redis import Redis
 
     log_path = args.log or Path(tempfile.mkstemp(prefix="kiviq-bench-worker-", suffix=".log")[1])
+    cpus = out.get("cpus")
+    if cpus:  # Redis and the client processes inherit the load's CPUs
+        pin_this_process(set(cpus["load"]))
     redis = RedisProcess(args.redis, args.redis_server)
     worker = None
     try:
         out["redis"] = redis.kind
         print(f"redis: {redis.kind} at {redis.url}; worker log: {log_path}", flush=True)
         metrics_url, wargs = worker_metrics(wargs)
-        worker = WorkerProcess(redis.url, model["worker_model"], wargs, log_path)
+        worker = WorkerProcess(redis.url, model["worker_model"], wargs, log_path,
+                               cpus=set(cpus["worker"]) if cpus else None)
         out["worker_ready_s"] = worker.wait_ready(Redis.from_url(redis.url), args.start_timeout)
         print(f"worker registered after {out['worker_ready_s']:.1f} s", flush=True)
         for line in warm_up_lines(worker.log()):
@@ -190,6 +204,8 @@ def run_service(args, wargs: list[str], model: dict, prompts: list[list[str]], o
 def run_raw(args, wargs: list[str], model: dict, prompts: list[list[str]], out: dict) -> list:
     """The raw engine in this process, built and warmed up as the worker does
     it (worker/main.py), on the same requests (worker/prompts.py's encoding)."""
+    if out.get("cpus"):  # where the worker ran
+        pin_this_process(set(out["cpus"]["worker"]))
     import mlx.core as mx
 
     from kiviq.engine import build_engine, load
@@ -244,8 +260,10 @@ def benchmark(args: argparse.Namespace) -> dict:
         print(f"note: the worker holds {max_active} sequences at once (--max-active); the other jobs queue "
               f"(--worker-arg='--max-active {args.jobs}' runs all at once)", flush=True)
     procs = args.client_procs or max(1, min(4, args.jobs, (os.cpu_count() or 1) // 4))
+    split = split_cpus(os.sched_getaffinity(0)) if args.split_cpus and hasattr(os, "sched_setaffinity") else None
     out: dict = dict(workload=dict(jobs=args.jobs, prompt_tokens=args.prompt_tokens, gen=args.gen, runs=args.runs),
                      worker_args=wargs, client_procs=procs, submit=args.submit,
+                     cpus=split and {"worker": sorted(split[0]), "load": sorted(split[1])},
                      # queued jobs, all admitted before the first step: the engine sees what the raw engine sees
                      exact_token_check=args.submit == "queued" and args.jobs <= max_active)
     model = resolve_model(args)
@@ -351,6 +369,17 @@ def report(out: dict) -> str:
     return "\n".join(lines)
 
 
+def _ranges(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    spans: list[list[int]] = []
+    for c in cpus:
+        if spans and c == spans[-1][1] + 1:
+            spans[-1][1] = c
+        else:
+            spans.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from benchmarks.common import command, machine
@@ -362,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {out['model']}; worker args: {' '.join(out['worker_args']) or '(defaults)'}; redis: {out['redis']}; "
           f"submission: {out['submit']}; client processes: {out['client_procs']}; worker registered after "
           f"{out['worker_ready_s']:.1f} s")
+    cpus = out.get("cpus")
+    print(f"CPUs: the worker and the raw engine {_ranges(cpus['worker'])}, the clients and Redis {_ranges(cpus['load'])}"
+          if cpus else "CPUs: all shared (--no-split-cpus, or fewer than 4)")
     for line in out.get("warm_up_log", []):
         print(f"worker log: {line}")
     if "engine_config" in out:

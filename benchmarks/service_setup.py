@@ -41,6 +41,29 @@ def _kill_with_parent() -> None:
     _die_with_parent(signal.SIGKILL)
 
 
+# ---------------------------------------------------------------- CPUs
+
+def split_cpus(cpus: set[int]) -> tuple[set[int], set[int]] | None:
+    """(the worker's CPUs, the load's CPUs): the lower half for the worker and the
+    upper half for what stands in for other machines (the client processes and
+    Redis), so the load does not share the worker's CPUs; None below 4 CPUs."""
+    ordered = sorted(cpus)
+    if len(ordered) < 4:
+        return None
+    half = len(ordered) // 2
+    return set(ordered[:half]), set(ordered[half:])
+
+
+def pin_this_process(cpus: set[int]) -> None:
+    """Every thread of this process onto ``cpus`` (an affinity is per thread on
+    Linux); threads and processes started later inherit it."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+
+
 # ---------------------------------------------------------------- Redis
 
 _REDIS_CHILD = """
@@ -117,10 +140,11 @@ class RedisProcess:
 
 class WorkerProcess:
     """``python -m kiviq.worker --redis-url URL [--model M] ARGS`` with its output
-    in a log file; ``wait_ready`` returns once it has registered with rq (after
-    its model load and warm-up)."""
+    in a log file, on ``cpus`` if given; ``wait_ready`` returns once it has
+    registered with rq (after its model load and warm-up)."""
 
-    def __init__(self, redis_url: str, model: str | None, args: list[str], log_path: Path):
+    def __init__(self, redis_url: str, model: str | None, args: list[str], log_path: Path,
+                 cpus: set[int] | None = None):
         self.log_path = log_path
         self._log = open(log_path, "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1",
@@ -128,8 +152,13 @@ class WorkerProcess:
         cmd = [sys.executable, "-m", "kiviq.worker", "--redis-url", redis_url, *(["--model", model] if model else []),
                *args]
         self.started = time.perf_counter()
+        def before_exec() -> None:
+            _kill_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     preexec_fn=_kill_with_parent)
+                                     preexec_fn=before_exec)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -65,6 +65,41 @@ def test_summarize_times_ttft_itl_and_the_burst():
     assert s["bunched_events"] == 0.0 and s["client_extra_ttft_p50_s"] == pytest.approx((0.3 + 1.7) / 2)
 
 
+def test_split_cpus_gives_the_worker_the_lower_half_and_needs_four():
+    from benchmarks.service_setup import split_cpus
+
+    assert split_cpus({0, 1, 2, 3, 4, 5, 6, 7}) == ({0, 1, 2, 3}, {4, 5, 6, 7})
+    assert split_cpus({3, 9, 4, 8, 5}) == ({3, 4}, {5, 8, 9})
+    assert split_cpus({0, 1, 2}) is None
+
+
+def test_pin_this_process_moves_threads_already_running():
+    import threading
+
+    from benchmarks.service_setup import pin_this_process
+
+    before = os.sched_getaffinity(0)
+    one = {min(before)}
+    started, stop, seen = threading.Event(), threading.Event(), []
+
+    def run() -> None:
+        started.set()
+        stop.wait()
+        seen.append(os.sched_getaffinity(0))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    started.wait()
+    try:
+        pin_this_process(one)
+        assert os.sched_getaffinity(0) == one
+    finally:
+        stop.set()
+        thread.join()
+        pin_this_process(before)
+    assert seen == [one]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="the benchmark needs a redis-server binary")
 def test_the_benchmark_runs_the_whole_path_and_its_checks_hold(tmp_path):
