@@ -35,12 +35,18 @@ def fetch(conn, job_id: str) -> Job:
     return Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
 
 
-def test_claim_takes_the_highest_priority_job_first_and_records_it(redis_url, redis_conn):
-    client = Client(redis_url)
+def four_jobs(client: Client) -> tuple:
+    """(low, first, second, high): submitted in that order, two of them to the default queue."""
     low = client.submit(prompt="low", max_tokens=1, priority="low")
     first = client.submit(prompt="a", max_tokens=1)
     second = client.submit(prompt="b", max_tokens=1)
     high = client.submit(prompt="high", max_tokens=1, priority="high")
+    return low, first, second, high
+
+
+def test_claim_takes_the_highest_priority_job_first_and_records_it(redis_url, redis_conn):
+    client = Client(redis_url)
+    low, first, second, high = four_jobs(client)
     order = [claims.claim_next(redis_conn, keys(redis_conn), DEAD)[1] for _ in range(4)]
     assert order == [high.job_id, first.job_id, second.job_id, low.job_id]
     assert claims.claim_next(redis_conn, keys(redis_conn), DEAD) is None
@@ -52,10 +58,7 @@ def test_claim_takes_the_highest_priority_job_first_and_records_it(redis_url, re
 
 def test_claim_batch_takes_up_to_its_limit_in_priority_order_in_one_call(redis_url, redis_conn):
     client = Client(redis_url)
-    low = client.submit(prompt="low", max_tokens=1, priority="low")
-    first = client.submit(prompt="a", max_tokens=1)
-    second = client.submit(prompt="b", max_tokens=1)
-    high = client.submit(prompt="high", max_tokens=1, priority="high")
+    low, first, second, high = four_jobs(client)
     taken = claims.claim_batch(redis_conn, keys(redis_conn), DEAD, 3)
     assert [job_id for _, job_id in taken] == [high.job_id, first.job_id, second.job_id]
     assert [key for key, _ in taken] == [queues(redis_conn)[0].key, queues(redis_conn)[1].key,
