@@ -86,7 +86,7 @@ def job_payload(job: Job) -> Any:
 
 
 def fail_unreadable(conn: Redis, publisher: EventPublisher, worker_name: str, job_id: str, queue: Queue,
-                    message: str) -> None:
+                    stream: StreamState, message: str) -> None:
     """Fail a claimed job whose stored data could not be loaded: rq's failed
     registry and status, its claim released, an error event on its stream."""
     job_key = Job.key_for(job_id)
@@ -97,5 +97,5 @@ def fail_unreadable(conn: Redis, publisher: EventPublisher, worker_name: str, jo
         pipe.expire(job_key, DEFAULT_FAILURE_TTL)
         claims.release(pipe, worker_name, job_id)
         pipe.execute()
-    publisher.publish([StreamEvent(job_id=job_id, seq=publisher.next_seq(job_id), type=EventType.error,
+    publisher.publish([StreamEvent(job_id=job_id, seq=stream.next_seq, type=EventType.error,
                                    finish_reason=FinishReason.error, error=message)])

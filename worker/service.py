@@ -258,7 +258,7 @@ class BatchWorker(SimpleWorker):
                 if job is None:  # deleted while queued: nothing to run
                     claims.release(self.connection, self.name, job_id)
                 elif isinstance(job, Exception):  # a job whose hash cannot even be read
-                    self._fail_unreadable(job_id, queue, job)
+                    self._fail_unreadable(job_id, queue, state, job)
                 else:
                     started = self._open(job, queue, state)
                     if started is not None:
@@ -366,9 +366,8 @@ class BatchWorker(SimpleWorker):
                     active.logprobs.extend(logprobs)
             active.text.append(ev.text)
             if ev.text or ev.token_ids:
-                self._outbox_events.append(StreamEvent(job_id=job_id, seq=active.next_seq, type=EventType.token,
-                                                       text=ev.text, token_ids=ev.token_ids, logprobs=logprobs))
-                active.next_seq += 1
+                self._outbox_events.append(self._event(active, EventType.token, text=ev.text, token_ids=ev.token_ids,
+                                                       logprobs=logprobs))
             if ev.finish_reason is not None:
                 endings.append((active, ev))
         if self.metrics is not None:  # before the endings: a job's last tokens count before it ends
@@ -480,10 +479,10 @@ class BatchWorker(SimpleWorker):
         self._ended(active, "cancelled")
         log.info("job %s cancelled after %d tokens", job.id, len(active.token_ids))
 
-    def _fail_unreadable(self, job_id: str, queue: Queue, error: Exception) -> None:
+    def _fail_unreadable(self, job_id: str, queue: Queue, stream: admission.StreamState, error: Exception) -> None:
         """Record a job whose stored data could not be loaded at all."""
         log.warning("job %s unreadable: %s", job_id, error)
-        admission.fail_unreadable(self.connection, self.outbox.publisher, self.name, job_id, queue,
+        admission.fail_unreadable(self.connection, self.outbox.publisher, self.name, job_id, queue, stream,
                                   f"unreadable job data: {describe_error(error)}")
         if self.metrics is not None:  # taken from a queue and ended: counted like any other job
             self.metrics.job_admitted(job_id, 0.0, queue.name)
