@@ -1,10 +1,11 @@
 """The worker's own cost per engine step: ``BatchWorker.serve`` around an engine
 that costs nothing.
 
-Through the service a decode step takes longer than in the raw engine (on the
-H200, 19.9 ms against 11.2 at 64 sequences: docs/performance.md). The difference
-is what the worker does on the engine's thread between steps: events, Redis
-(publishing, cancel flags, claims, heartbeats), metrics, rq bookkeeping. This
+Through the service the steps come further apart than in the raw engine (on the
+H200, 0.8-1.3 ms more per ~20 ms step: docs/performance.md, "The whole service on
+the bulk workload"). The difference is what the worker does on the engine's thread
+between steps: events, Redis (publishing, cancel flags, claims, heartbeats),
+metrics, rq bookkeeping. This
 runs the real worker, with a real Redis server it starts itself, on jobs
 submitted through the real client, but with a stand-in engine whose step
 returns one token for every active request at once: the wall time per step is
