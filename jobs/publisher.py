@@ -11,7 +11,7 @@ from kiviq.jobs.streams import REPLAY_MAX_EVENTS, REPLAY_TTL_S
 
 # KEYS: each event's replay log. ARGV: the log's cap and TTL, then every event's
 # channel and every event's JSON, each list joined by newlines (a channel name
-# holds none, and JSON escapes them in strings): three arguments whatever the
+# holds none, and JSON escapes them in strings): four arguments whatever the
 # batch, where redis-py would encode two per event on the publishing thread.
 # Each event goes into its log before it is published (and the script runs
 # atomically besides), so a reader that wakes on the message finds the event in

@@ -4,7 +4,7 @@ in a fixed number of round trips however many there are.
 Admitted one by one, a job costs seven Redis round trips (claim, the job's
 hash, its stream's length and last event, its cancel flag, rq's two
 bookkeeping writes) on the engine's thread before the first step: 64 queued
-jobs take 70-100 ms that way on the CPU machine, 45-50 ms in one burst
+jobs take 66-104 ms that way on the CPU machine, 43-57 ms in one burst
 (benchmarks/worker_loop.py, "ms until the first step"). The claims come in
 one call (``claims.claim_batch``) and the reads here in one pipeline each;
 rq's two writes stay per job (``prepare_execution``, ``prepare_job_execution``).
