@@ -72,7 +72,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.kv_store = store
         self.runner = ModelRunner(model, store, compile_decode=compile_decode)
-        self.scheduler = Scheduler(store.blocks, max_batch_tokens, reserve_tokens, prefill_while_decoding)
+        self.scheduler = Scheduler(store.blocks, max_batch_tokens, reserve_tokens, prefill_while_decoding,
+                                   chunk_multiple=self.runner.prefill_chunk_multiple)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.stats = {"decode_tokens": 0, "prefill_tokens": 0, "preemptions": 0, "steps": 0,

@@ -39,8 +39,12 @@ class KiviLayerCache:
     """
 
     def __init__(self, store: KiviStore, layer: int, seqs: list[SequenceKV], *,
-                 batch: DecodeBatch | None = None, prefill: PrefillBatch | None = None):
+                 batch: DecodeBatch | None = None, prefill: PrefillBatch | None = None,
+                 attention_rows: int | None = None, attention_multiple: int = 1):
         self.store, self.layer, self.seqs = store, layer, seqs
+        # Prefill attention shapes (causal_attention): a first-chunk forward's rows
+        # padded to attention_rows, a later chunk's length to a multiple.
+        self.attention_rows, self.attention_multiple = attention_rows, attention_multiple
         # A decode step prepared for every layer at once (its seqs are `seqs`).
         self.batch = batch
         # First chunks of new sequences in one right-padded forward, likewise.
@@ -103,21 +107,20 @@ class KiviLayerCache:
         if self.prefill is not None:
             # First chunks attend to themselves only; with padding only after each
             # chunk, the causal mask alone keeps every real token from seeing it.
-            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal")
+            out = causal_attention(queries, keys, values, scale, rows=self.attention_rows)
             self.store.write_prefill(self.layer, self.prefill, keys, values)
             return out
         if b != 1:
             raise ValueError("a batched prefill takes first chunks of new sequences (KiviStore.begin_prefill)")
         seq = self.seqs[0]
         if seq.offset(self.layer, 1) == 0:  # first chunk: attends to itself only
-            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal")
+            out = causal_attention(queries, keys, values, scale, multiple=self.attention_multiple)
         else:
             past_k, past_v = self.store.dense_past(self.layer, seq)
             k_all = mx.concatenate([past_k, keys[0].astype(past_k.dtype)], axis=1)[None]
             v_all = mx.concatenate([past_v, values[0].astype(past_v.dtype)], axis=1)[None]
-            # "causal" aligns the L queries with the last L of the S keys.
-            out = mx.fast.scaled_dot_product_attention(queries, k_all.astype(queries.dtype),
-                                                       v_all.astype(queries.dtype), scale=scale, mask="causal")
+            out = causal_attention(queries, k_all.astype(queries.dtype), v_all.astype(queries.dtype), scale,
+                                   multiple=self.attention_multiple)
             self.store.append(self.layer, seq, keys[0], values[0], reads=(out,))
             return out
         self.store.append(self.layer, seq, keys[0], values[0])
@@ -141,6 +144,28 @@ class KiviLayerCache:
 
     def is_trimmable(self) -> bool:
         return False
+
+
+def causal_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, *,
+                     rows: int | None = None, multiple: int = 1) -> mx.array:
+    """Causal fused attention of queries [B, H_q, L, D] over keys, values [B, H_kv, S, D],
+    the L queries aligned with the last L keys, run on zero-padded copies whose shape
+    comes from a small set (a GPU builds an attention graph per shape): B rows padded
+    to ``rows``, and L and S both extended by the same count to a multiple of
+    ``multiple``. The result is the same: a padded row is a batch entry of its own,
+    and a key appended after the last one lies beyond every real query's diagonal.
+
+    Returns:
+        [B, H_q, L, D].
+    """
+    b, _, length, _ = queries.shape
+    extra, more_rows = -length % multiple, (rows or b) - b
+    if not (extra or more_rows):
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal")
+    pad = [(0, more_rows), (0, 0), (0, extra), (0, 0)]
+    out = mx.fast.scaled_dot_product_attention(mx.pad(queries, pad), mx.pad(keys, pad), mx.pad(values, pad),
+                                               scale=scale, mask="causal")
+    return out[:b, :, :length]
 
 
 def kiviq_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):

@@ -31,11 +31,15 @@ def vocabulary_projection(model: nn.Module):
     return getattr(model, "lm_head", None)
 
 
-# On a GPU, prefill forwards are padded to a multiple of this many tokens: MLX builds a cuDNN
-# attention graph per (batch, length) shape, so a burst of prompts of scattered
-# lengths would build one per forward; padding (at most 63 tokens a row) makes
-# shapes repeat.
+# On a GPU MLX builds a cuDNN attention graph per attention shape (~45 ms of host time on an
+# H200, while the device waits) and keeps the last 256, so prefill attention runs on
+# shapes from a small set that repeats: forwards of first chunks are padded to a
+# multiple of PREFILL_WIDTH_MULTIPLE tokens (at most 63 a row, through the whole
+# model) and their attention to a power-of-two number of rows; a prompt split across
+# steps is cut after a multiple of PREFILL_CHUNK_MULTIPLE tokens, and a later chunk's
+# attention is padded to such a multiple (kivi_cache.causal_attention).
 PREFILL_WIDTH_MULTIPLE = 64
+PREFILL_CHUNK_MULTIPLE = 256
 
 
 class ModelRunner:
@@ -47,7 +51,9 @@ class ModelRunner:
         self.attention = AttentionHook(model)
         self._split = vocabulary_projection(model)
         # Only a GPU builds attention graphs per shape; on a CPU padding is pure cost.
-        self.prefill_width_multiple = PREFILL_WIDTH_MULTIPLE if mx.default_device() == mx.gpu else 1
+        gpu = mx.default_device() == mx.gpu
+        self.prefill_width_multiple = PREFILL_WIDTH_MULTIPLE if gpu else 1
+        self.prefill_chunk_multiple = PREFILL_CHUNK_MULTIPLE if gpu else 1
         # Optional: decode steps replayed through mx.compile (engine.compiled_decode).
         self.compiled = CompiledDecode(model, store) if compile_decode else None
 
@@ -58,7 +64,8 @@ class ModelRunner:
         Returns:
             [V] logits after the chunk's last token.
         """
-        caches = [KiviLayerCache(self.store, layer, [seq]) for layer in range(self.store.num_layers)]
+        caches = [KiviLayerCache(self.store, layer, [seq], attention_multiple=self.prefill_chunk_multiple)
+                  for layer in range(self.store.num_layers)]
         with self.store.forward_writes(), self.attention:
             hidden = self.trunk(mx.array(tokens)[None], caches)
         return self.head(hidden[0, -1:])[0]
@@ -76,7 +83,9 @@ class ModelRunner:
         width = -(-max(lengths) // m) * m
         batch = self.store.begin_prefill(seqs, lengths, width)
         tokens = mx.array([c + [0] * (width - len(c)) for c in chunks])
-        caches = [KiviLayerCache(self.store, layer, seqs, prefill=batch) for layer in range(self.store.num_layers)]
+        rows = len(seqs) if self.prefill_chunk_multiple == 1 else 1 << (len(seqs) - 1).bit_length()
+        caches = [KiviLayerCache(self.store, layer, seqs, prefill=batch, attention_rows=rows)
+                  for layer in range(self.store.num_layers)]
         with self.store.forward_writes(), self.attention:
             hidden = self.trunk(tokens, caches)
         last = hidden[mx.arange(len(chunks)), mx.array(lengths) - 1]

@@ -52,11 +52,16 @@ class Scheduler:
         prefill_while_decoding: prompt tokens a step prefills at most while
             sequences decode (their inter-token latency during a burst of long
             prompts); None: what max_batch_tokens leaves.
+        chunk_multiple: a prompt split across steps is cut after a multiple of
+            this many tokens (where the budget allows one), so that its later
+            chunks' pasts, and with them their attention shapes, repeat
+            (engine.model_runner.PREFILL_CHUNK_MULTIPLE).
     """
 
     def __init__(self, allocator: Allocator, max_batch_tokens: int = 1024, reserve_tokens: int = 64,
-                 prefill_while_decoding: int | None = None):
+                 prefill_while_decoding: int | None = None, chunk_multiple: int = 1):
         self.allocator = allocator
+        self.chunk_multiple = chunk_multiple
         self.max_batch_tokens = max_batch_tokens
         self.reserve_tokens = reserve_tokens
         self.prefill_while_decoding = prefill_while_decoding
@@ -135,7 +140,15 @@ class Scheduler:
         for seq in self.prefilling:
             if budget <= 0:
                 break
-            n = min(budget, seq.num_tokens - seq.prefilled)
+            left = seq.num_tokens - seq.prefilled
+            n = min(budget, left)
+            if n < left:  # a split: it ends on a multiple, and ends the step's prefill
+                if n >= self.chunk_multiple:
+                    n -= n % self.chunk_multiple
+                elif plan.prefill:  # what others left is less than a multiple: next step
+                    break
+                plan.prefill.append((seq, n))
+                break
             plan.prefill.append((seq, n))
             budget -= n
         return plan

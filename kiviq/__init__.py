@@ -21,6 +21,15 @@ if not _os.path.isdir(_os.path.join(__path__[0], "client")) and _os.path.isfile(
         _os.path.join(_root, "client", "__init__.py")):
     __path__.append(_root)
 
+# MLX's CUDA backend keeps cuDNN attention graphs (one per shape) and CUDA graphs (one
+# per topology) in caches that raise "Cache thrashing is happening" once a process has
+# missed twice their capacity, counted over its whole life: a worker serving prompts
+# of many lengths would fail every prefill of a new shape after ~512 of them. For a
+# server a miss is a rebuild, not an error. MLX reads this when it makes a cache, one
+# of them with the first GPU stream, so it is set here, before any kiviq module
+# imports mlx; a value the user set wins (a program importing mlx first sets it itself).
+_os.environ.setdefault("MLX_ENABLE_CACHE_THRASHING_CHECK", "0")
+
 _CLIENT_NAMES = ("AsyncClient", "AsyncJobHandle", "BulkSummary", "Client", "InvalidRequest", "JobFailed",
                  "JobHandle", "QueueFull")
 

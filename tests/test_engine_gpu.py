@@ -8,6 +8,8 @@ model. Skipped where no KIVI kernel backend runs.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -243,3 +245,67 @@ def test_rotated_store_with_kernels_matches_reference(dtype, d):
             ids0 = [bid for s in seqs[0] for bid in s.block_ids[:s.blocks_used[0]]]
             ids1 = [bid for s in seqs[1] for bid in s.block_ids[:s.blocks_used[0]]]
             assert np.array_equal(to_np(a[mx.array(ids0)]), to_np(b[mx.array(ids1)])), name
+
+
+def test_padded_prefill_attention_gives_the_same_tokens(gpu_model):
+    """On a GPU prefill attention runs on bucketed shapes (engine.model_runner): a
+    group of first chunks on a power-of-two number of rows, a later chunk padded to a
+    multiple of 256 tokens. Greedy tokens equal those of the same forwards with the
+    attention unpadded (the same widths and cuts)."""
+    from kiviq.engine import Request, build_engine
+
+    model, tok = gpu_model
+    ids = tok.encode(PROSE)
+    reqs = lambda: [Request(f"r{i}", ids[i * 97: i * 97 + 150 + 130 * i], 12) for i in range(7)]  # noqa: E731
+
+    def run(padded):
+        engine = build_engine(model, tok, kv_bits=4, kv_memory=2 << 30, max_sequences=16, max_batch_tokens=700)
+        assert engine.scheduler.chunk_multiple == engine.runner.prefill_chunk_multiple == 256
+        if not padded:
+            engine.runner.prefill_chunk_multiple = 1
+        return run_engine(engine, reqs(), join_every=0)
+
+    padded = run(True)
+    assert all(len(t) == 12 for t in padded.values())
+    assert padded == run(False)
+
+
+# Attention graphs of ever new shapes in a fresh process, as a worker builds them for
+# prompts of many lengths (bf16, head_dim 128: shapes MLX runs through cuDNN and caches);
+# prints how many ran before the first error, and the error.
+MANY_SHAPES = """
+import sys
+import kiviq
+import mlx.core as mx
+for i in range(int(sys.argv[1])):
+    q = mx.random.normal((1, 32, 2 + i, 128)).astype(mx.bfloat16)
+    k = mx.random.normal((1, 8, 2 + i, 128)).astype(mx.bfloat16)
+    try:
+        mx.eval(mx.fast.scaled_dot_product_attention(q, k, k, scale=0.1, mask="causal"))
+    except Exception as e:
+        print(i, e)
+        break
+else:
+    print(sys.argv[1], "ok")
+"""
+
+
+def test_a_kiviq_process_survives_mlx_cache_misses():
+    """MLX's CUDA caches raise "Cache thrashing is happening" once a process has
+    missed twice their capacity (cuDNN attention graphs: 256 by default, so a worker
+    would fail every prompt of a new shape after 512 of them). With MLX's check on, a
+    run of new shapes fails; in a process that imported kiviq (the check off) the
+    same run and more go through."""
+    env = dict(os.environ, MLX_CUDA_SDPA_CACHE_SIZE="2")
+
+    def run(shapes, env):
+        out = subprocess.run([sys.executable, "-c", MANY_SHAPES, str(shapes)], env=env, capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.strip().split(maxsplit=1)
+
+    failed_at, error = run(600, dict(env, MLX_ENABLE_CACHE_THRASHING_CHECK="1"))
+    assert "Cache thrashing" in error
+    env.pop("MLX_ENABLE_CACHE_THRASHING_CHECK", None)
+    shapes = int(failed_at) + 4
+    assert run(shapes, env) == [str(shapes), "ok"]

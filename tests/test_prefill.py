@@ -4,11 +4,17 @@ sequences, their keys and values written into the store by prepared indices
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from kiviq.engine import Request, SamplingParams
+from kiviq.engine.kivi_cache import causal_attention
 from kiviq.engine.kv_store import KiviStore, KVConfig
 from kiviq.engine.model_runner import vocabulary_projection
 from kiviq.engine.scheduler import pack_first_chunks
@@ -155,3 +161,82 @@ def test_batched_prefill_updates_the_pool_in_place(smollm2):
 
     small, large = prefill_peak(128), prefill_peak(8192)  # ~34 MiB more pool per layer array
     assert large < small + (4 << 20), (small, large)
+
+
+@pytest.mark.parametrize("rows,multiple", [(4, 1), (None, 8), (4, 8)], ids=["rows", "length", "both"])
+def test_causal_attention_on_padded_shapes_equals_unpadded(rows, multiple):
+    """Prefill attention on a bucketed shape (rows padded to a power of two, a later
+    chunk's L and S extended to a multiple) gives the unpadded result: padded rows
+    are batch entries of their own, appended keys lie past every real diagonal."""
+    rng = np.random.default_rng(multiple)
+    b, length, past = 3, 5, 8
+    q = mx.array(rng.standard_normal((b, 4, length, D)).astype(np.float32))
+    k = mx.array(rng.standard_normal((b, H_KV, past + length, D)).astype(np.float32))
+    v = mx.array(rng.standard_normal((b, H_KV, past + length, D)).astype(np.float32))
+    plain = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+    padded = causal_attention(q, k, v, 0.125, rows=rows, multiple=multiple)
+    assert padded.shape == plain.shape
+    assert mx.allclose(padded, plain, atol=1e-5).item()
+
+
+def test_bucketed_prefill_shapes_change_no_token(smollm2):
+    """With a GPU's prefill padding (set by hand on the CPU: widths of 64, attention
+    rows to a power of two, later chunks' attention padded to a multiple of their
+    cut, here 32) greedy tokens equal those of the same chunks unpadded, and every
+    split prompt is cut at the multiple. (Where a prompt is cut changes what its
+    later chunks attend to, a quantized past, so both runs cut at 32.)"""
+    model, tok = smollm2
+    ps = prompts(tok, 5)
+
+    def run(padded):
+        engine = make_engine(model, tok, max_batch_tokens=80, pipeline=False)  # prompts of 38-98 tokens
+        engine.scheduler.chunk_multiple = 32
+        pasts = []
+        if padded:
+            engine.runner.prefill_width_multiple = 64
+            engine.runner.prefill_chunk_multiple = 32
+        prefill = engine.runner.prefill
+
+        def logged(seq, tokens):  # a later chunk: its past is what came before
+            pasts.append(seq.blocks_used[0] * 16 + seq.tail_lens[0])
+            return prefill(seq, tokens)
+
+        engine.runner.prefill = logged
+        for i, p in enumerate(ps):
+            engine.add(Request(f"r{i}", p, 6))
+        out = {}
+        while engine.has_work():
+            for ev in engine.step():
+                out.setdefault(ev.request_id, []).extend(ev.token_ids)
+        return out, pasts
+
+    plain, plain_pasts = run(False)
+    padded, pasts = run(True)
+    assert padded == plain and pasts == plain_pasts
+    assert len(pasts) >= 3 and all(p % 32 == 0 for p in pasts)
+
+
+def test_importing_kiviq_turns_mlx_cache_thrashing_errors_off():
+    """MLX's CUDA caches raise once a process has missed twice their capacity
+    (tests/test_engine_gpu.py shows it): kiviq turns that check off, before any of
+    its modules imports mlx, unless the user chose."""
+    code = "import os, sys, kiviq; print(os.environ['MLX_ENABLE_CACHE_THRASHING_CHECK'], 'mlx' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "MLX_ENABLE_CACHE_THRASHING_CHECK"}
+    for given, seen in ((None, "0 False"), ("1", "1 False")):
+        if given is not None:
+            env["MLX_ENABLE_CACHE_THRASHING_CHECK"] = given
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == seen
+
+
+def test_attention_shapes_benchmark_times_each_shape():
+    """benchmarks/attention_shapes.py (what a new attention shape costs on a GPU) runs
+    anywhere: one row per shape, and a chunk longer than its keys is refused."""
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks" / "attention_shapes.py")
+    small = ["--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--dtype", "float32"]
+    out = subprocess.run([sys.executable, bench, "--shapes", "2:24", "1:8:40", *small],
+                         capture_output=True, text=True, check=True).stdout
+    table = out.split("\n\n")[-1]
+    assert "| 2:24 |" in table and "| 1:8:40 |" in table
+    bad = subprocess.run([sys.executable, bench, "--shapes", "1:50:20", *small], capture_output=True, text=True)
+    assert bad.returncode != 0 and "at least its own 50 keys" in bad.stderr

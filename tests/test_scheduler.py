@@ -93,3 +93,30 @@ def test_the_worker_flag_reaches_the_engine_config():
     config = engine_config(build_parser().parse_args(["--prefill-while-decoding", "2048"]), environ={})
     assert config.prefill_while_decoding == 2048
     assert engine_config(build_parser().parse_args([]), environ={}).prefill_while_decoding is None
+
+
+def test_a_split_prompt_is_cut_at_the_chunk_multiple():
+    """A prompt split across steps is cut after a multiple of chunk_multiple tokens
+    (its later chunks' attention shapes then repeat), and the split ends the step's
+    prefill; a budget below the multiple still makes progress."""
+    s = Scheduler(Roomy(), max_batch_tokens=1000, chunk_multiple=256)
+    short, long = sequence(0, 300), sequence(1, 3000)
+    s.add(short)
+    s.add(long)
+    plan = s.schedule()
+    assert plan.prefill == [(short, 300), (long, 512)]  # 700 left, cut at 512
+    run_prefill(s, plan)
+    chunks = []
+    while s.prefilling:
+        plan = s.schedule()
+        chunks += [n for seq, n in plan.prefill if seq is long]
+        run_prefill(s, plan)
+    assert chunks == [768, 768, 952]  # 999 of budget beside one decode: cut at 768; the rest whole
+    tiny = Scheduler(Roomy(), max_batch_tokens=100, chunk_multiple=256)
+    tiny.add(sequence(2, 300))
+    assert [n for _, n in tiny.schedule().prefill] == [100]
+    # What another prompt leaves, if less than a multiple, is left unused.
+    s = Scheduler(Roomy(), max_batch_tokens=1000, chunk_multiple=256)
+    s.add(sequence(3, 900))
+    s.add(sequence(4, 3000))
+    assert [n for _, n in s.schedule().prefill] == [900]
