@@ -18,6 +18,7 @@ commands (a budget sweep, an older checkout) can be compared token for token.
     python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --gen 1 --runs 2 --trace
     python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --gen 256 --runs 2 --warm-up
     python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --gen 256 --runs 2 --warm-up --shapes
+    python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --gen 1 --runs 2 --warm-up --host-profile
 
 ``--shapes`` sorts each run's steps by whether they met a prefill or decode shape
 new to the process (what compiles cost) and lists the first run's slowest such steps.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import hashlib
 import statistics
 import sys
@@ -194,6 +196,10 @@ def main() -> None:
                    help="run the worker's warm-up (engine.warmup) before the first run, and time it")
     p.add_argument("--ceiling", action="store_true", help="also time the bare model over the same prompts")
     p.add_argument("--trace", action="store_true", help="trace the last run's device ops (CUDA, PyTorch)")
+    p.add_argument("--same-prompts", action="store_true", dest="same_prompts",
+                   help="every run gets the first run's prompts, so later runs meet no new shape")
+    p.add_argument("--host-profile", action="store_true", dest="host_profile",
+                   help="profile the last run's host functions (cProfile): where a burst's host time goes")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--shapes", action="store_true",
                    help="per run: time in steps that met a new shape (compiles) against known ones, "
@@ -203,7 +209,7 @@ def main() -> None:
     print(f"# {command()}\n# {machine()}\n")
     model = random_model(args.shape, getattr(mx, args.dtype), None)
     vocab = SHAPES[args.shape]["vocab_size"]
-    rows, events, seen = [], [], set()
+    rows, events, seen, profiles = [], [], set(), []
     arms = [(budget, cap or None) for budget in args.max_batch_tokens for cap in args.prefill_while_decoding]
     for arm, (budget, cap) in enumerate(arms):
         options = {} if budget is None else {"max_batch_tokens": budget}
@@ -216,10 +222,16 @@ def main() -> None:
 
             print(f"warm-up took {warm_up(engine, vocab):.1f} s", flush=True)
         for run in range(args.runs):
-            prompts = make_prompts(run, args.requests, args.prompt_tokens, vocab)
-            traced = args.trace and run == args.runs - 1
-            with device_trace() if traced else contextlib.nullcontext([]) as ev:
+            prompts = make_prompts(0 if args.same_prompts else run, args.requests, args.prompt_tokens, vocab)
+            last = run == args.runs - 1
+            profile = cProfile.Profile() if args.host_profile and last else None
+            with device_trace() if args.trace and last else contextlib.nullcontext([]) as ev:
+                if profile is not None:
+                    profile.enable()
                 r = run_engine(engine, prompts, args.gen, shapes)
+                if profile is not None:
+                    profile.disable()
+                    profiles.append(profile)
             events = ev or events
             # Compiled shapes stay with the process: only its first run is cold.
             state = "warm" if run or arm else "after warm-up" if args.warm_up else "cold"
@@ -248,6 +260,11 @@ def main() -> None:
         n = sum(map(len, prompts))
         print(f"\nbare model, forwards of <= {budget} tokens: {n / statistics.median(times):,.0f} prompt tok/s "
               f"(median of {len(times)}; min {min(times):.2f} s, max {max(times):.2f} s)")
+    for profile in profiles:
+        from benchmarks.trace_summary import print_host_profile
+
+        print("\nlast run's host time (the whole run as one 'step'):")
+        print_host_profile(profile, 1, args.top)
     if args.trace:
         from benchmarks.trace_summary import summarize
 
