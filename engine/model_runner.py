@@ -83,6 +83,7 @@ class ModelRunner:
         width = -(-max(lengths) // m) * m
         batch = self.store.begin_prefill(seqs, lengths, width)
         tokens = mx.array([c + [0] * (width - len(c)) for c in chunks])
+        # Attention on a power-of-two number of rows where attention shapes are bucketed.
         rows = len(seqs) if self.prefill_chunk_multiple == 1 else 1 << (len(seqs) - 1).bit_length()
         caches = [KiviLayerCache(self.store, layer, seqs, prefill=batch, attention_rows=rows)
                   for layer in range(self.store.num_layers)]
