@@ -41,6 +41,21 @@ def timed(fn) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def shape_times(spec: str, args, dtype) -> list[float]:
+    """ms of each of ``args.calls`` calls at one ``rows:length[:keys]`` shape."""
+    b, length, *keys = (int(x) for x in spec.split(":"))
+    keys = keys[0] if keys else length
+    if keys < length:
+        raise SystemExit(f"{spec}: a chunk attends to at least its own {length} keys")
+    q = mx.random.normal((b, args.heads, length, args.head_dim)).astype(dtype)
+    k = mx.random.normal((b, args.kv_heads, keys, args.head_dim)).astype(dtype)
+    v = mx.random.normal((b, args.kv_heads, keys, args.head_dim)).astype(dtype)
+    mx.eval(q, k, v)
+    return [timed(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=args.head_dim ** -0.5,
+                                                                mask="causal"))
+            for _ in range(args.calls)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=SHAPES, help="rows:length or rows:length:keys")
@@ -52,25 +67,10 @@ def main() -> None:
     args = p.parse_args()
     print(f"# {command()}\n# {machine()}\n")
     dtype = getattr(mx, args.dtype)
+    shape_times("1:64", args, dtype)  # untimed: pays MLX's and cuDNN's start-up
     rows = []
-    for spec in ["1:64:64", *args.shapes]:  # the first, untimed, pays MLX's and cuDNN's start-up
-        untimed = spec == "1:64:64"
-        b, length, *keys = (int(x) for x in spec.split(":"))
-        keys = keys[0] if keys else length
-        if keys < length:
-            raise SystemExit(f"{spec}: a chunk attends to at least its own {length} keys")
-
-        q = mx.random.normal((b, args.heads, length, args.head_dim)).astype(dtype)
-        k = mx.random.normal((b, args.kv_heads, keys, args.head_dim)).astype(dtype)
-        v = mx.random.normal((b, args.kv_heads, keys, args.head_dim)).astype(dtype)
-        mx.eval(q, k, v)
-
-        def call():
-            return mx.fast.scaled_dot_product_attention(q, k, v, scale=args.head_dim ** -0.5, mask="causal")
-
-        times = [timed(call) for _ in range(args.calls)]
-        if untimed:
-            continue
+    for spec in args.shapes:
+        times = shape_times(spec, args, dtype)
         rows.append([spec, f"{times[0]:.1f}", " / ".join(f"{t:.1f}" for t in times[1:])])
         print(table(["rows:length[:keys]", "first call ms", "later calls ms"], rows[-1:]), flush=True)
     print()

@@ -18,6 +18,7 @@ from kiviq.engine.kivi_cache import causal_attention
 from kiviq.engine.kv_store import KiviStore, KVConfig
 from kiviq.engine.model_runner import vocabulary_projection
 from kiviq.engine.scheduler import pack_first_chunks
+from engine_runs import run_engine
 from test_batch_engine import make_engine, prompts
 
 H_KV, D = 2, 64
@@ -202,13 +203,7 @@ def test_bucketed_prefill_shapes_change_no_token(smollm2):
             return prefill(seq, tokens)
 
         engine.runner.prefill = logged
-        for i, p in enumerate(ps):
-            engine.add(Request(f"r{i}", p, 6))
-        out = {}
-        while engine.has_work():
-            for ev in engine.step():
-                out.setdefault(ev.request_id, []).extend(ev.token_ids)
-        return out, pasts
+        return run_engine(engine, [Request(f"r{i}", p, 6) for i, p in enumerate(ps)]), pasts
 
     plain, plain_pasts = run(False)
     padded, pasts = run(True)
