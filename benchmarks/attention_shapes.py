@@ -72,8 +72,7 @@ def main() -> None:
     for spec in args.shapes:
         times = shape_times(spec, args, dtype)
         rows.append([spec, f"{times[0]:.1f}", " / ".join(f"{t:.1f}" for t in times[1:])])
-        print(table(["rows:length[:keys]", "first call ms", "later calls ms"], rows[-1:]), flush=True)
-    print()
+        print(f"{spec}: first call {times[0]:.1f} ms", file=sys.stderr, flush=True)  # progress
     print(table(["rows:length[:keys]", "first call ms", "later calls ms"], rows))
 
 

@@ -233,5 +233,6 @@ def test_attention_shapes_benchmark_times_each_shape():
                          capture_output=True, text=True, check=True).stdout
     table = out.split("\n\n")[-1]
     assert "| 2:24 |" in table and "| 1:8:40 |" in table
+    assert out.count("| 2:24 |") == 1 and out.count("first call ms") == 1  # one table; progress on stderr
     bad = subprocess.run([sys.executable, bench, "--shapes", "1:50:20", *small], capture_output=True, text=True)
     assert bad.returncode != 0 and "at least its own 50 keys" in bad.stderr

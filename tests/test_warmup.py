@@ -40,17 +40,20 @@ def test_warm_up_changes_no_token(smollm2):
 
 def test_warm_up_on_a_gpu_also_meets_a_full_step_and_a_later_chunk(smollm2):
     """Where prefill widths are padded (a GPU: attention graphs per shape), the
-    warm-up also runs a prefill step as wide as the step budget and a prompt longer
-    than a step (a later chunk attending to its past): the shapes a bulk burst meets
-    first. The runner's padding is set by hand here, on the CPU."""
+    warm-up also runs a prefill step as wide as the step budget, a prompt longer
+    than a step (a later chunk attending to its past), and first chunks whose
+    width is an odd multiple of 64 as well as ones of a multiple of 128 (cuDNN
+    compiles a kernel for each kind): what a bulk burst meets first. The runner's
+    padding is set by hand here, on the CPU."""
     model, tok = smollm2
     engine = make_engine(model, tok, max_batch_tokens=512)  # 4x the small steps' width
     engine.runner.prefill_width_multiple = 64
-    runner, firsts, chunks = engine.runner, [], []
+    runner, firsts, chunks, widths = engine.runner, [], [], []
     prefill_first, prefill = runner.prefill_first, runner.prefill
 
     def logged_first(seqs, batch):
         firsts.append(sum(map(len, batch)))
+        widths.append(-(-max(map(len, batch)) // 64) * 64)
         return prefill_first(seqs, batch)
 
     def logged_chunk(seq, tokens):
@@ -60,5 +63,6 @@ def test_warm_up_on_a_gpu_also_meets_a_full_step_and_a_later_chunk(smollm2):
     runner.prefill_first, runner.prefill = logged_first, logged_chunk
     warm_up(engine, model.args.vocab_size, batch_sizes=(1,))
     assert max(firsts) == 512  # one step of first chunks filled the budget
+    assert {w // 64 % 2 for w in widths} == {0, 1}  # widths of an even and an odd count of 64s
     assert chunks  # and a later chunk attended to a past
     assert not engine.has_work() and engine.kv_store.blocks.free_blocks == engine.kv_store.blocks.num_blocks
