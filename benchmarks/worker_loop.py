@@ -117,13 +117,19 @@ def drain(listener) -> None:
         pass
 
 
+def job_tokens(i: int, args) -> int:
+    """Job i's max_tokens: ``--gen``, or with ``--end-groups G`` G groups that end in
+    turn over the run's second half (as a bulk run's prefill groups do)."""
+    return args.gen - (i * args.end_groups // args.jobs) * (args.gen // (2 * args.end_groups))
+
+
 def loop_runs(args, url: str, listener) -> tuple[list[list], Any]:
     """``--runs`` whole serves of ``--jobs`` jobs: a table row each, and the last
     run's profile (with ``--profile``)."""
     client, rows, profile = Client(url), [], None
     for run in range(args.runs):
-        for _ in range(args.jobs):
-            client.submit("Tell me about the sea.", max_tokens=args.gen)
+        for i in range(args.jobs):
+            client.submit("Tell me about the sea.", max_tokens=job_tokens(i, args))
         slots = args.max_active or args.jobs
         engine = FreeEngine(slots, args.engine_ms, args.engine_gil_ms)
         worker = BatchWorker(engine, Redis.from_url(url), max_active=slots, metrics=WorkerMetrics())
@@ -190,6 +196,9 @@ def main() -> None:
     p.add_argument("--max-active", type=int, default=None, dest="max_active",
                    help="the worker's --max-active (default: --jobs; more leaves free slots, which it fills from "
                         "the queues as jobs arrive)")
+    p.add_argument("--end-groups", type=int, default=1, dest="end_groups",
+                   help="the jobs end in this many groups, in turn over the run's second half "
+                        "(1: all at the last step)")
     p.add_argument("--runs", type=int, default=3, help="whole serves (0: none)")
     p.add_argument("--profile", action="store_true", help="cProfile the last run: the worker's functions")
     p.add_argument("--parts", action="store_true", help="also time the step's publish and cancel check alone")
@@ -208,7 +217,9 @@ def main() -> None:
         stop()
     print(f"# {command()}\n# redis: {kind}; {args.jobs} jobs\n")
     if rows:
-        print(f"{args.gen} tokens each, engine step {args.engine_gil_ms} ms holding the GIL, then "
+        tokens = f"{args.gen} tokens each" if args.end_groups == 1 else \
+            f"{job_tokens(args.jobs - 1, args)}-{args.gen} tokens, the jobs ending in {args.end_groups} groups"
+        print(f"{tokens}, engine step {args.engine_gil_ms} ms holding the GIL, then "
               f"{args.engine_ms} ms GIL free; switch interval {sys.getswitchinterval() * 1e3:g} ms\n")
         print(table(["run", "engine steps", "wall s (whole serve: admission and endings too)",
                      "ms until the first step (admitting every job)",

@@ -34,8 +34,16 @@ def stand_in_worker(conn, capacity: int = 16):
                              model=SimpleNamespace(args=SimpleNamespace(max_position_embeddings=4096)),
                              add=lambda request: added.append(request.request_id), abort=lambda request_id: True)
     worker = service.BatchWorker(engine, conn, max_active=capacity)
-    worker.outbox = Outbox(conn)
+    worker.outbox = Outbox(conn, queue_keys=[q.key for q in worker._ordered_queues])
     return worker, added
+
+
+def admit_burst(worker) -> None:
+    """What the worker does after a step with free slots: its outbox asks whether jobs
+    wait, then the worker claims a burst."""
+    worker.outbox.put([], [], ask_queues=True)
+    assert worker.outbox.wait_published(timeout=10)
+    worker._admit(block=False)
 
 
 def events_of(conn, job_id: str) -> list[StreamEvent]:
@@ -55,9 +63,10 @@ def test_a_burst_is_admitted_in_queue_order_and_each_bad_job_ends_alone(redis_ur
     try:
         worker.active[running] = SimpleNamespace()  # already in the engine: its queued copy has nothing to do
         worker._admit(block=False)
+        assert not added  # beside running jobs the queues are asked only once the outbox saw a job waiting
+        admit_burst(worker)
         worker._flush_outbox()
-        assert worker.outbox.wait_published(timeout=10)
-        worker._run_endings()
+        assert worker.outbox.wait_published(timeout=10)  # events published, then the endings recorded
     finally:
         worker.outbox.close()
 
@@ -81,7 +90,7 @@ def test_heartbeats_for_every_running_job_refresh_what_rqs_do_and_repair_the_sam
     worker, added = stand_in_worker(redis_conn)
     worker.register_birth()
     try:
-        worker._admit(block=False)
+        admit_burst(worker)
     finally:
         worker.outbox.close()
     assert added == ids
@@ -125,8 +134,36 @@ def test_redis_gone_midway_through_a_burst_leaves_no_started_job_out_of_the_engi
     monkeypatch.setattr(worker, "prepare_execution", prepare)
     try:
         with pytest.raises(redis.exceptions.ConnectionError):
-            worker._admit(block=False)
+            admit_burst(worker)
     finally:
         worker.outbox.close()
     assert added == [ids[0]] and list(worker.active) == [ids[0]]  # started, so in the engine
     assert claims.claimed(redis_conn, worker.name) == ids  # the other two stay claimed: recovery requeues them
+
+
+
+def test_a_burst_worker_serves_what_is_queued_and_takes_jobs_that_arrive_while_it_runs(redis_url, redis_conn):
+    """``serve(burst=True)`` (``kiviq worker --burst``): the queued jobs, and one
+    submitted while they run (free slots: the outbox's check after a step finds it),
+    all end with their results recorded and claims released; then the worker exits."""
+    from benchmarks.worker_loop import FreeEngine  # one token, " a", per running job per step
+
+    client = Client(redis_url)
+    first = [client.submit(prompt=f"job {i}", max_tokens=20) for i in range(2)]
+    late, engine = [], FreeEngine(4, 0.0)
+    free_step = engine.step
+
+    def step():
+        if engine.steps == 2:
+            late.append(client.submit(prompt="late", max_tokens=5))
+        return free_step()
+
+    engine.step = step
+    worker = service.BatchWorker(engine, redis_conn, max_active=4)
+    assert worker.serve(burst=True, logging_level="WARNING") == 3
+    for handle, n in [(first[0], 20), (first[1], 20), (late[0], 5)]:
+        assert handle.result(timeout=10).text == " a" * n
+        assert Job.fetch(handle.job_id, connection=redis_conn, serializer=JSONSerializer).get_status() == \
+            JobStatus.FINISHED
+    assert engine.steps < 20 + 5  # the late job ran beside the others
+    assert claims.claimed(redis_conn, worker.name) == []

@@ -186,30 +186,42 @@ def test_a_job_rq_failed_behind_our_back_gets_a_final_event(redis_url, redis_con
     assert redis_conn.llen(replay_log(handle.job_id)) == 1  # one final event, never two
 
 
-def test_a_worker_with_free_slots_asks_empty_queues_at_most_every_poll_interval(redis_url, redis_conn, monkeypatch):
-    """Beside running jobs, each ask of the queues is a round trip on the engine's
-    thread: once they were found empty the worker asks again only after
-    ADMIT_POLL_S; a job found meanwhile is taken at the next ask."""
+def test_a_worker_with_free_slots_asks_the_queues_only_once_its_outbox_saw_a_job(redis_url, redis_conn,
+                                                                                 monkeypatch):
+    """Beside running jobs, an ask of the queues would be a round trip on the engine's
+    thread: the worker claims only once the outbox's check after a step (off that
+    thread) found a job waiting, and a check finds it whenever it is there."""
     from types import SimpleNamespace
 
     from kiviq.worker import service
+    from kiviq.worker.outbox import Outbox
 
     engine = SimpleNamespace(capacity=4, tokenizer=None, num_active=0,
                              model=SimpleNamespace(args=SimpleNamespace(max_position_embeddings=4096)))
     worker = service.BatchWorker(engine, redis_conn, max_active=4)
+    worker.outbox = Outbox(redis_conn, queue_keys=[q.key for q in worker._ordered_queues])
     asked, started = [], []
     real_claim = claims.claim_batch
     monkeypatch.setattr(claims, "claim_batch", lambda *a: asked.append(1) or real_claim(*a))
     monkeypatch.setattr(worker, "_start_claimed", lambda claimed: started.extend(job_id for _, job_id in claimed))
-    now = [1000.0]
-    monkeypatch.setattr(service.time, "monotonic", lambda: now[0])
-    worker._admit(block=False)
-    worker._admit(block=False)
-    assert len(asked) == 1  # empty: not asked again within the interval
-    job_id = Client(redis_url).submit(prompt="hi", max_tokens=1).job_id
-    now[0] += service.ADMIT_POLL_S / 2
-    worker._admit(block=False)
-    assert len(asked) == 1 and not started
-    now[0] += service.ADMIT_POLL_S
-    worker._admit(block=False)
-    assert started == [job_id] and len(asked) == 3  # took the job, then found the queues empty
+    try:
+        worker.active["running"] = SimpleNamespace()
+
+        def step() -> None:  # the put after a step, with free slots, and the outbox's check
+            worker._flush_outbox(after_step=True)
+            assert worker.outbox.wait_published(timeout=10)
+
+        step()
+        worker._admit(block=False)
+        assert not asked  # the queues were empty at the check: not asked
+        job_id = Client(redis_url).submit(prompt="hi", max_tokens=1).job_id
+        worker._admit(block=False)
+        assert not asked and not started  # not seen yet: a check runs after each step
+        step()
+        worker._admit(block=False)
+        assert started == [job_id] and len(asked) == 1  # one ask took it; fewer than the free slots: no second
+        worker._admit(block=False)
+        assert len(asked) == 1
+    finally:
+        worker.active.clear()
+        worker.outbox.close()

@@ -85,3 +85,55 @@ def test_redis_coming_back_gets_every_step_in_order(redis_conn):
     seqs = [StreamEvent.model_validate_json(e).seq for e in redis_conn.lrange(replay_log("a"), 0, -1)]
     assert seqs == [0, 1, 2]
     outbox.close()
+
+
+def test_endings_run_after_their_events_are_published_in_order_each_once(redis_conn):
+    """A put's endings (a job's rq bookkeeping) run on the outbox's thread once its
+    events are in Redis; one whose Redis call fails is retried, and the endings
+    before it are not run again."""
+    seen, failures = [], {"left": 2}
+
+    def ending(name: str, flaky: bool = False):
+        def run() -> None:
+            assert redis_conn.llen(replay_log("a")) == 2  # the put's events are published first
+            if flaky and failures["left"] > 0:
+                failures["left"] -= 1
+                raise redis.exceptions.ConnectionError("server restarting")
+            seen.append(name)
+        return run
+
+    outbox = Outbox(redis_conn)
+    outbox.put([token("a", 0), token("a", 1)], ["a"], [("a", ending("first")), ("b", ending("second", flaky=True)),
+                                                         ("c", ending("third"))])
+    assert outbox.wait_published(timeout=20)
+    assert seen == ["first", "second", "third"] and failures["left"] == 0
+    assert outbox.pending_endings() == set()
+    outbox.close()
+
+
+def test_pending_endings_name_the_jobs_whose_ending_is_not_recorded(redis_conn):
+    release = threading.Event()
+    outbox = Outbox(redis_conn)
+    outbox.put([token("a", 0)], ["a"], [("a", lambda: release.wait(10))])
+    outbox.put([], [], [("b", lambda: None)])
+    assert outbox.pending_endings() == {"a", "b"}  # a running worker's recovery must not requeue them
+    release.set()
+    assert outbox.wait_published(timeout=10)
+    assert outbox.pending_endings() == set()
+    outbox.close()
+
+
+def test_a_put_that_asks_the_queues_reports_a_waiting_job_once(redis_conn):
+    outbox = Outbox(redis_conn, queue_keys=["rq:queue:x", "rq:queue:y"])
+    outbox.put([], ["a"], ask_queues=True)
+    outbox.wait_published(timeout=10)
+    assert outbox.take_queued() is False
+    redis_conn.rpush("rq:queue:y", "job-1")
+    outbox.put([], ["a"])  # not asked: nothing reported
+    outbox.wait_published(timeout=10)
+    assert outbox.take_queued() is False
+    outbox.put([], [], ask_queues=True)
+    outbox.wait_published(timeout=10)
+    assert outbox.take_queued() is True
+    assert outbox.take_queued() is False
+    outbox.close()

@@ -1,17 +1,21 @@
 """The worker's per-step Redis traffic, on a thread of its own.
 
-Every engine step the worker publishes one event per running job and asks
-Redis which of its jobs a client wants cancelled. Done on the engine's thread,
-those round trips add to every decode step, and a decode step is host-bound:
-the device waits for them. MLX releases the GIL while it launches and runs a
-step (``mx.eval`` / ``mx.async_eval``), so on this thread the previous step's
+Every engine step the worker publishes one event per running job, asks Redis
+which of its jobs a client wants cancelled and, with free slots, whether jobs
+wait in its queues; a job that ended needs rq's bookkeeping (its result, its
+registries, its claim's release). Done on the engine's thread, those round
+trips add to every decode step, and a decode step is host-bound: the device
+waits for them. MLX releases the GIL while it launches and runs a step
+(``mx.eval`` / ``mx.async_eval``), so on this thread the previous step's
 traffic overlaps the next step instead (docs/performance.md, "The whole
 service on the bulk workload").
 
-Guarantees, the same as publishing in line:
+Guarantees, the same as doing it in line:
 - events reach Redis in the order they were put;
-- ``published`` tells the worker which puts Redis holds, so an rq ending (a
-  job's result, its claim's release) runs only after the job's final event;
+- a put's endings run after its events are published (a job's rq ending
+  after its final event), in order, each once it succeeds;
+- ``published`` tells the worker which puts are done, and
+  ``pending_endings`` which jobs' endings are not yet recorded;
 - if Redis goes away this thread retries with backoff, and ``put`` blocks once
   ``max_pending`` steps wait: the engine never runs far ahead of what Redis
   holds, and nothing generated is dropped while the process lives.
@@ -23,7 +27,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -41,34 +46,65 @@ MAX_BACKOFF_S = 10.0
 def flagged_for_cancel(connection: redis.Redis, job_ids: Sequence[str]) -> set[str]:
     """The jobs among ``job_ids`` whose cancel flag is set. One EXISTS over every
     flag answers the usual case (none) in one command; only then is each asked."""
-    if not job_ids or not connection.exists(*(cancel_flag(job_id) for job_id in job_ids)):
-        return set()
+    return step_checks(connection, job_ids, ())[0]
+
+
+def step_checks(connection: redis.Redis, job_ids: Sequence[str], queue_keys: Sequence[str]) -> tuple[set[str], bool]:
+    """The jobs among ``job_ids`` whose cancel flag is set, and whether any of
+    ``queue_keys`` holds a job, in one round trip for the usual case (no flag
+    set); none when there is nothing to ask."""
+    if not job_ids and not queue_keys:
+        return set(), False
+    with connection.pipeline(transaction=False) as pipe:
+        if job_ids:
+            pipe.exists(*(cancel_flag(job_id) for job_id in job_ids))
+        for key in queue_keys:
+            pipe.llen(key)
+        replies = pipe.execute()
+    flagged = replies[0] if job_ids else 0
+    queued = any(replies[1 if job_ids else 0:])
+    if not flagged:
+        return set(), queued
     with connection.pipeline(transaction=False) as pipe:
         for job_id in job_ids:
             pipe.exists(cancel_flag(job_id))
         flags = pipe.execute()
-    return {job_id for job_id, flagged in zip(job_ids, flags) if flagged}
+    return {job_id for job_id, flag in zip(job_ids, flags) if flag}, queued
+
+
+@dataclass
+class _Put:
+    number: int  # puts so far, this one included
+    events: list[StreamEvent]
+    active_ids: tuple[str, ...]
+    endings: list[tuple[str, Callable[[], None]]]  # (job id, its rq bookkeeping)
+    ask_queues: bool
 
 
 class Outbox:
-    """Publishes each step's events and checks cancel flags off the engine's thread.
+    """Publishes each step's events, records endings in rq and reads cancel flags
+    and queue lengths off the engine's thread.
 
     Args:
         connection: Redis connection (redis-py clients are thread-safe).
+        queue_keys: the queues asked about for a put with ``ask_queues``.
         max_pending: steps that may wait to be published before ``put`` blocks.
         on_publish: called on this thread with the seconds each publish took
             (metrics).
     """
 
-    def __init__(self, connection: redis.Redis, *, max_pending: int = 2, on_publish: Any = None):
+    def __init__(self, connection: redis.Redis, *, queue_keys: Sequence[str] = (), max_pending: int = 2,
+                 on_publish: Any = None):
         self.connection = connection
         self.publisher = EventPublisher(connection)
+        self.queue_keys = tuple(queue_keys)
         self.max_pending = max_pending
         self.on_publish = on_publish
-        self._pending: deque[tuple[int, list[StreamEvent], tuple[str, ...]]] = deque()
+        self._pending: deque[_Put] = deque()
         self._put = 0  # puts so far; a put's number is the count after it
         self._published = 0
         self._cancels: set[str] = set()
+        self._queued = False
         self._error: BaseException | None = None
         self._last_redis_error: BaseException | None = None
         self._closing = False
@@ -78,16 +114,19 @@ class Outbox:
 
     # ---- the worker's side -------------------------------------------------
 
-    def put(self, events: list[StreamEvent], active_ids: Iterable[str]) -> int:
-        """Hand over one step's events (possibly none) and the jobs now running
-        (whose cancel flags are read after the events are published). Blocks
-        while ``max_pending`` steps wait. Returns this put's number."""
+    def put(self, events: list[StreamEvent], active_ids: Iterable[str],
+            endings: Iterable[tuple[str, Callable[[], None]]] = (), *, ask_queues: bool = False) -> int:
+        """Hand over one step's events (possibly none), the endings to record once
+        they are published ((job id, rq bookkeeping) pairs, run in order), and the
+        jobs now running (whose cancel flags are read after); ``ask_queues``: also
+        ask whether jobs wait (``take_queued``). Blocks while ``max_pending`` steps
+        wait. Returns this put's number."""
         with self._cond:
             while len(self._pending) >= self.max_pending and self._error is None:
                 self._cond.wait()
             self._raise_error()
             self._put += 1
-            self._pending.append((self._put, events, tuple(active_ids)))
+            self._pending.append(_Put(self._put, events, tuple(active_ids), list(endings), ask_queues))
             self._cond.notify_all()
             return self._put
 
@@ -97,10 +136,15 @@ class Outbox:
 
     @property
     def published(self) -> int:
-        """The number of the last put whose events Redis holds."""
+        """The number of the last put that is done: its events in Redis, its endings recorded."""
         with self._cond:
             self._raise_error()
             return self._published
+
+    def pending_endings(self) -> set[str]:
+        """Jobs whose ending was put but is not recorded yet."""
+        with self._cond:
+            return {job_id for put in self._pending for job_id, _ in put.endings}
 
     def take_cancels(self) -> set[str]:
         """Jobs whose cancel flag was seen since the last call."""
@@ -109,8 +153,15 @@ class Outbox:
             found, self._cancels = self._cancels, set()
             return found
 
+    def take_queued(self) -> bool:
+        """Whether a put's queue check found a job waiting since the last call."""
+        with self._cond:
+            self._raise_error()
+            found, self._queued = self._queued, False
+            return found
+
     def wait_published(self, timeout: float | None = None) -> bool:
-        """Wait until every put so far is published; False on timeout."""
+        """Wait until every put so far is done (published, endings recorded); False on timeout."""
         upto = self._put
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -123,7 +174,7 @@ class Outbox:
             return True
 
     def close(self, timeout: float = 10.0) -> None:
-        """Publish what is pending (for up to ``timeout`` s) and stop the thread.
+        """Publish and record what is pending (for up to ``timeout`` s) and stop the thread.
         Raises the last Redis error when Redis did not take everything."""
         drained = self.wait_published(timeout=timeout)
         with self._cond:
@@ -147,14 +198,15 @@ class Outbox:
                         self._cond.wait()
                     if not self._pending:
                         return
-                    number, events, active_ids = self._pending[0]
-                cancels = self._deliver(events, active_ids)
+                    put = self._pending[0]
+                checked = self._deliver(put)
                 with self._cond:
-                    if cancels is None:  # closing while Redis is down
+                    if checked is None:  # closing while Redis is down
                         return
                     self._pending.popleft()
-                    self._published = number
-                    self._cancels |= cancels
+                    self._published = put.number
+                    self._cancels |= checked[0]
+                    self._queued = self._queued or checked[1]
                     self._cond.notify_all()
         except BaseException as e:  # a bug, not Redis: the worker's thread re-raises it
             log.exception("outbox thread failed")
@@ -162,18 +214,22 @@ class Outbox:
                 self._error = e
                 self._cond.notify_all()
 
-    def _deliver(self, events: list[StreamEvent], active_ids: tuple[str, ...]) -> set[str] | None:
-        """Publish, then read cancel flags; retry with backoff while Redis is away."""
-        backoff, published = 0.5, False
+    def _deliver(self, put: _Put) -> tuple[set[str], bool] | None:
+        """Publish, record the endings, then read cancel flags (and queue lengths);
+        retry with backoff while Redis is away, never repeating a part that succeeded."""
+        backoff, published, recorded = 0.5, False, 0
         while True:
             try:
-                if not published:  # a retry after the cancel check failed must not publish twice
+                if not published:
                     started = time.perf_counter()
-                    self.publisher.publish(events)
+                    self.publisher.publish(put.events)
                     published = True
-                    if self.on_publish is not None and events:
+                    if self.on_publish is not None and put.events:
                         self.on_publish(time.perf_counter() - started)
-                return flagged_for_cancel(self.connection, active_ids)
+                while recorded < len(put.endings):
+                    put.endings[recorded][1]()
+                    recorded += 1
+                return step_checks(self.connection, put.active_ids, self.queue_keys if put.ask_queues else ())
             except REDIS_DOWN as e:
                 self._last_redis_error = e
                 log.error("Redis unreachable while publishing (%s); retrying in %.1f s", type(e).__name__, backoff)

@@ -8,11 +8,11 @@ place of ``Queue.dequeue_any``, which can lose a job to a kill),
 ``handle_job_success`` / ``handle_job_failure`` / ``Job.cancel`` when its
 sequence ends, and rq's heartbeats while it runs (``worker.heartbeats``).
 
-A step's events go to Redis through an outbox whose thread publishes them
-(and reads cancel flags) while the engine computes the next step; a job's rq
-ending runs here once its final event is published. If Redis goes away the
-outbox retries with backoff and the engine stops a step or two ahead of it:
-nothing it generated is lost (``worker.outbox``).
+A step's events go to Redis through an outbox whose thread publishes them,
+records the rq endings of jobs whose final event they hold, reads cancel flags
+and, with free slots, whether jobs wait, while the engine computes the next
+step. If Redis goes away the outbox retries with backoff and the engine stops a
+step or two ahead of it: nothing it generated is lost (``worker.outbox``).
 """
 
 from __future__ import annotations
@@ -50,11 +50,6 @@ log = logging.getLogger("kiviq.worker")
 HEARTBEAT_EVERY_S = min(5.0, ALIVE_TTL_S / 3)
 RECOVERY_EVERY_S = float(os.environ.get("KIVIQ_RECOVERY_EVERY_S", "30"))
 IDLE_DEQUEUE_TIMEOUT_S = 1  # waiting for a job while idle; short so signals are seen
-# With free slots beside running jobs, the queues are asked at most this often once they
-# were found empty: each ask is a Redis round trip on the engine's thread (~0.6 ms per
-# step, benchmarks/worker_loop.py --max-active), and a job arriving then waits at most
-# this long more to be admitted.
-ADMIT_POLL_S = 0.05
 TEARDOWN_WAIT_S = 5.0  # rq's own cleanup at shutdown, at most (BatchWorker._teardown_within)
 
 
@@ -88,12 +83,11 @@ class BatchWorker(SimpleWorker):
         self.outbox: Outbox | None = None  # made in serve(): its thread lives as long as serving
         self.active: dict[str, ActiveJob] = {}
         self._outbox_events: list[StreamEvent] = []
-        # (job id, rq bookkeeping, the put its final event is in): run once that put
-        # is published, then the job's claim is released.
-        self._outbox_endings: list[tuple[str, Callable[[], None], int]] = []
+        # (job id, its rq bookkeeping and claim release): go with the put that holds
+        # the job's final event, and run on the outbox's thread once it is published.
+        self._outbox_endings: list[tuple[str, Callable[[], None]]] = []
         self._last_heartbeat = 0.0
         self._last_recovery = 0.0
-        self._next_admit_poll = 0.0  # the queues were empty: ask again after this (ADMIT_POLL_S)
         self._stop_at: float | None = None
         self._logprobs = LogprobConverter(engine.tokenizer)
         self.ended = 0  # jobs ended (finished, failed or cancelled) in this serve()
@@ -119,7 +113,8 @@ class BatchWorker(SimpleWorker):
         # Claims under this name already are from an earlier worker that used it.
         requeue_orphans(self.connection, self.queues, max_attempts=self.max_attempts, own=self.name,
                         wait_s=RECOVERY_LOCK_MS / 1000)
-        self.outbox = Outbox(self.connection, on_publish=self.metrics.outbox_publish if self.metrics else None)
+        self.outbox = Outbox(self.connection, queue_keys=[q.key for q in self._ordered_queues],
+                             on_publish=self.metrics.outbox_publish if self.metrics else None)
         try:
             while True:
                 try:
@@ -129,9 +124,6 @@ class BatchWorker(SimpleWorker):
                     if self._stop_at is not None and (not self.active or time.monotonic() >= self._stop_at):
                         break
                     idle = not self.active
-                    if idle and self._outbox_endings:  # nothing to overlap: record the endings now
-                        self.outbox.wait_published()
-                        self._run_endings()
                     self._housekeeping()
                     self._sync_state()
                     if self._stop_at is None:
@@ -159,7 +151,6 @@ class BatchWorker(SimpleWorker):
             try:
                 self._flush_outbox()
                 self.outbox.close()
-                self._run_endings()
                 self._requeue_all()
                 mark_dead(self.connection, self.name)
                 log.info("shutdown: events published and jobs settled in %.1f s", time.monotonic() - started)
@@ -213,7 +204,8 @@ class BatchWorker(SimpleWorker):
                 self.heartbeat()
         if t - self._last_recovery >= RECOVERY_EVERY_S:
             self._last_recovery = t
-            running = set(self.active) | {job_id for job_id, _, _ in self._outbox_endings}
+            ending = self.outbox.pending_endings() | {job_id for job_id, _ in self._outbox_endings}
+            running = set(self.active) | ending
             requeue_orphans(self.connection, self.queues, max_attempts=self.max_attempts, own=self.name,
                             running=running)
         if self.should_run_maintenance_tasks:
@@ -222,7 +214,10 @@ class BatchWorker(SimpleWorker):
     # ---- admission -------------------------------------------------------
 
     def _admit(self, block: bool) -> None:
-        if not block and time.monotonic() < self._next_admit_poll:
+        """Claim and start queued jobs while slots are free. Beside running jobs the
+        queues are asked only once the outbox saw a job waiting in them (its check
+        after the last step): an empty ask would be a round trip on the engine's thread."""
+        if self.active and not block and not self.outbox.take_queued():
             return
         by_key = {q.key: q for q in self._ordered_queues}
         keys = list(by_key)
@@ -231,12 +226,13 @@ class BatchWorker(SimpleWorker):
                 found = claims.wait_and_claim(self.connection, keys, self.name, IDLE_DEQUEUE_TIMEOUT_S)
                 claimed = [found] if found is not None else []
             else:
-                claimed = claims.claim_batch(self.connection, keys, self.name, self.max_active - len(self.active))
-            if not claimed:
-                self._next_admit_poll = time.monotonic() + ADMIT_POLL_S
+                limit = self.max_active - len(self.active)
+                claimed = claims.claim_batch(self.connection, keys, self.name, limit)
+            if claimed:
+                self._start_claimed([(by_key[key], job_id) for key, job_id in claimed])
+            if not claimed or (not block and len(claimed) < limit):  # the queues are empty
                 return
             block = False
-            self._start_claimed([(by_key[key], job_id) for key, job_id in claimed])
 
     def _start_claimed(self, claimed: list[tuple[Queue, str]]) -> None:
         """Start the jobs just claimed, in order; their data and streams are read
@@ -386,25 +382,23 @@ class BatchWorker(SimpleWorker):
         return event
 
     def _flush_outbox(self, after_step: bool = False) -> None:
-        """Hand pending events to the outbox (after a step, with the running
-        jobs, whose cancel flags it then reads), then run the rq endings whose
-        events Redis holds."""
-        if self._outbox_events or after_step:
-            self.outbox.put(self._outbox_events, self.active if after_step else ())
-            self._outbox_events = []
-        self._run_endings()
+        """Hand pending events and endings to the outbox (after a step, with the
+        running jobs, whose cancel flags it then reads, and, with free slots, a
+        question for the queues)."""
+        if self._outbox_events or self._outbox_endings or after_step:
+            ask = after_step and self._stop_at is None and len(self.active) < self.max_active
+            self.outbox.put(self._outbox_events, self.active if after_step else (), self._outbox_endings,
+                            ask_queues=ask)
+            self._outbox_events, self._outbox_endings = [], []
 
-    def _next_put(self) -> int:
-        """The outbox put that will hold every event made so far."""
-        return self.outbox.last_put + (1 if self._outbox_events else 0)
-
-    def _run_endings(self) -> None:
-        published = self.outbox.published
-        while self._outbox_endings and self._outbox_endings[0][2] <= published:
-            job_id, record, _ = self._outbox_endings[0]
+    def _ending(self, job_id: str, record: Callable[[], None]) -> None:
+        """rq's bookkeeping for a job that ended, then its claim's release: run on the
+        outbox's thread once the put that holds the job's events so far is published."""
+        def run() -> None:
             record()
             claims.release(self.connection, self.name, job_id)
-            self._outbox_endings.pop(0)
+
+        self._outbox_endings.append((job_id, run))
 
     # ---- endings ---------------------------------------------------------
 
@@ -438,7 +432,7 @@ class BatchWorker(SimpleWorker):
                                     started_job_registry=active.queue.started_job_registry,
                                     execution=active.execution)
 
-        self._outbox_endings.append((job.id, record, self._next_put()))
+        self._ending(job.id, record)
 
     def _record_failure(self, active: ActiveJob, message: str) -> None:
         job = active.job
@@ -448,7 +442,7 @@ class BatchWorker(SimpleWorker):
             self.handle_execution_ended(job, active.queue, job.failure_callback_timeout)
             self.handle_job_failure(job, active.queue, exc_string=message, execution=active.execution)
 
-        self._outbox_endings.append((job.id, record, self._next_put()))
+        self._ending(job.id, record)
 
     def _finish_failed(self, active: ActiveJob, message: str) -> None:
         job = active.job
@@ -475,7 +469,7 @@ class BatchWorker(SimpleWorker):
             if job.get_status(refresh=True) != JobStatus.CANCELED:
                 job.cancel()
 
-        self._outbox_endings.append((job.id, record, self._next_put()))
+        self._ending(job.id, record)
         self._ended(active, "cancelled")
         log.info("job %s cancelled after %d tokens", job.id, len(active.token_ids))
 
