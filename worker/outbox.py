@@ -216,7 +216,7 @@ class Outbox:
 
     def _deliver(self, put: _Put) -> tuple[set[str], bool] | None:
         """Publish, record the endings, then read cancel flags (and queue lengths);
-        retry with backoff while Redis is away, never repeating a part that succeeded."""
+        retry with backoff while Redis is away, never repeating a publish or an ending that completed."""
         backoff, published, recorded = 0.5, False, 0
         while True:
             try:
