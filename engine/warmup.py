@@ -59,9 +59,9 @@ def warm_up(engine: Any, vocab_size: int, *, batch_sizes: tuple[int, ...] = (1, 
     odd = width + PREFILL_WIDTH_MULTIPLE if width % (2 * PREFILL_WIDTH_MULTIPLE) == 0 else width
     if wide and budget >= 2 * odd and capacity >= 2:
         # cuDNN compiles its attention kernels for lengths that are a multiple of 128
-        # apart from those for the rest; the widths above are multiples of 128, so a
-        # group of an odd multiple of 64 meets the others here instead of in a bulk
-        # burst's first step (on an H200 that step took 1.0 s instead of 0.5).
+        # apart from those for the rest; with the default KIVI settings the widths above
+        # are multiples of 128, so a group of an odd multiple of 64 meets the others here
+        # instead of in a bulk burst's first step (on an H200 that step took 1.0 s, not 0.5).
         for i in range(2):
             engine.add(Request(f"warm-up-{n}", _prompt(rng, vocab_size, odd - i), 2))
             n += 1
