@@ -17,7 +17,6 @@ from kiviq.jobs.keys import cancel_flag, queue_name, replay_log
 from kiviq.jobs.models import EventType, StreamEvent
 from kiviq.worker import claims, service
 from kiviq.worker.heartbeats import heartbeat_running
-from kiviq.worker.outbox import Outbox
 
 
 class ByteTokenizer:
@@ -34,7 +33,7 @@ def stand_in_worker(conn, capacity: int = 16):
                              model=SimpleNamespace(args=SimpleNamespace(max_position_embeddings=4096)),
                              add=lambda request: added.append(request.request_id), abort=lambda request_id: True)
     worker = service.BatchWorker(engine, conn, max_active=capacity)
-    worker.outbox = Outbox(conn, queue_keys=[q.key for q in worker._ordered_queues])
+    worker.outbox = worker.new_outbox()
     return worker, added
 
 

@@ -194,12 +194,11 @@ def test_a_worker_with_free_slots_asks_the_queues_only_once_its_outbox_saw_a_job
     from types import SimpleNamespace
 
     from kiviq.worker import service
-    from kiviq.worker.outbox import Outbox
 
     engine = SimpleNamespace(capacity=4, tokenizer=None, num_active=0,
                              model=SimpleNamespace(args=SimpleNamespace(max_position_embeddings=4096)))
     worker = service.BatchWorker(engine, redis_conn, max_active=4)
-    worker.outbox = Outbox(redis_conn, queue_keys=[q.key for q in worker._ordered_queues])
+    worker.outbox = worker.new_outbox()
     asked, started = [], []
     real_claim = claims.claim_batch
     monkeypatch.setattr(claims, "claim_batch", lambda *a: asked.append(1) or real_claim(*a))

@@ -113,8 +113,7 @@ class BatchWorker(SimpleWorker):
         # Claims under this name already are from an earlier worker that used it.
         requeue_orphans(self.connection, self.queues, max_attempts=self.max_attempts, own=self.name,
                         wait_s=RECOVERY_LOCK_MS / 1000)
-        self.outbox = Outbox(self.connection, queue_keys=[q.key for q in self._ordered_queues],
-                             on_publish=self.metrics.outbox_publish if self.metrics else None)
+        self.outbox = self.new_outbox()
         try:
             while True:
                 try:
@@ -159,6 +158,11 @@ class BatchWorker(SimpleWorker):
                 log.error("shutdown bookkeeping failed: %s", e)
             log.info("shutdown: done in %.1f s", time.monotonic() - started)
         return self.ended
+
+    def new_outbox(self) -> Outbox:
+        """An outbox for this worker's Redis, which asks its queues' lengths when a put says so."""
+        return Outbox(self.connection, queue_keys=[q.key for q in self._ordered_queues],
+                      on_publish=self.metrics.outbox_publish if self.metrics else None)
 
     def _teardown_within(self, seconds: float) -> None:
         """rq's teardown (its scheduler, its registry entry, the command channel) on a
