@@ -9,7 +9,7 @@ the same field-named message a client would have seen at submit.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -158,3 +158,20 @@ class StreamEvent(BaseModel):
     error: str | None = None
     result: GenerationResult | None = None
     logprobs: list[TokenLogprob] | None = None  # token events of requests that asked; aligned with token_ids
+
+
+class TokenEvent(NamedTuple):
+    """A token event as the worker's engine thread hands it over: a tuple costs
+    ~0.3 us to make where a validated StreamEvent costs ~1.7 (a decode step makes
+    one per running job); ``EventPublisher`` turns it into its StreamEvent on the
+    publishing thread."""
+
+    job_id: str
+    seq: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+    def stream_event(self) -> StreamEvent:
+        return StreamEvent(job_id=self.job_id, seq=self.seq, type=EventType.token, text=self.text,
+                           token_ids=self.token_ids, logprobs=self.logprobs)

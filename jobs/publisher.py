@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from redis import Redis
 from redis.commands.core import Script
 
 from kiviq.jobs.keys import event_channel, replay_log
-from kiviq.jobs.models import StreamEvent
+from kiviq.jobs.models import StreamEvent, TokenEvent
 from kiviq.jobs.streams import REPLAY_MAX_EVENTS, REPLAY_TTL_S
 
 # KEYS: each event's replay log. ARGV: the log's cap and TTL, then every event's
@@ -53,10 +55,14 @@ class EventPublisher:
         """Sequence number the job's next event gets (non-zero after a restart)."""
         return int(self.redis.llen(replay_log(job_id)))
 
-    def publish(self, events: list[StreamEvent]) -> None:
+    def publish(self, events: Sequence[StreamEvent | TokenEvent]) -> None:
         if not events:
             return
         channels = "\n".join(event_channel(e.job_id) for e in events)
-        payloads = "\n".join(e.model_dump_json(exclude_none=True) for e in events)
+        payloads = "\n".join(_stream_event(e).model_dump_json(exclude_none=True) for e in events)
         _PUBLISH(keys=[replay_log(e.job_id) for e in events],
                  args=[REPLAY_MAX_EVENTS, REPLAY_TTL_S, channels, payloads], client=self.redis)
+
+
+def _stream_event(event: StreamEvent | TokenEvent) -> StreamEvent:
+    return event.stream_event() if isinstance(event, TokenEvent) else event

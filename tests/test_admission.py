@@ -115,30 +115,67 @@ def test_heartbeats_for_every_running_job_refresh_what_rqs_do_and_repair_the_sam
         assert 0 < redis_conn.ttl(active.execution.key)
 
 
-def test_redis_gone_midway_through_a_burst_leaves_no_started_job_out_of_the_engine(redis_url, redis_conn,
-                                                                                  monkeypatch):
+def test_redis_gone_while_a_burst_is_started_starts_none_and_leaves_all_claimed(redis_url, redis_conn,
+                                                                               monkeypatch):
+    """rq's start bookkeeping for a burst is one transaction: if Redis goes away
+    before it runs, no job is marked started or added to the engine, and every
+    claim stays for recovery to requeue."""
     import pytest
     import redis
 
     client = Client(redis_url)
     ids = [client.submit(prompt=f"job {i}", max_tokens=4).job_id for i in range(3)]
     worker, added = stand_in_worker(redis_conn)
-    real_prepare = worker.prepare_execution
 
-    def prepare(job):
-        if job.id == ids[1]:
-            raise redis.exceptions.ConnectionError("gone")
-        return real_prepare(job)
+    def gone(*args, **kwargs):
+        raise redis.exceptions.ConnectionError("gone")
 
-    monkeypatch.setattr(worker, "prepare_execution", prepare)
+    monkeypatch.setattr(worker, "set_state", gone)  # called last, inside the transaction
     try:
         with pytest.raises(redis.exceptions.ConnectionError):
             admit_burst(worker)
     finally:
         worker.outbox.close()
-    assert added == [ids[0]] and list(worker.active) == [ids[0]]  # started, so in the engine
-    assert claims.claimed(redis_conn, worker.name) == ids  # the other two stay claimed: recovery requeues them
+    assert added == [] and not worker.active
+    assert claims.claimed(redis_conn, worker.name) == ids
+    for job_id in ids:
+        job = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
+        assert job.get_status() == JobStatus.QUEUED
+        assert job_id not in job.started_job_registry.get_job_ids()
 
+
+def test_a_burst_is_marked_started_as_rqs_own_two_calls_mark_each_job(redis_url, redis_conn):
+    """``admission.start_jobs`` writes, for a burst in one transaction, what
+    ``prepare_execution`` and ``prepare_job_execution`` write job by job; a job
+    whose payload could not be read gets only the first (as before)."""
+    from kiviq.worker import admission
+
+    client = Client(redis_url)
+    ids = [client.submit(prompt=f"job {i}", max_tokens=4).job_id for i in range(4)]
+    worker, _ = stand_in_worker(redis_conn)
+    worker.outbox.close()
+    jobs = admission.fetch_jobs(redis_conn, ids, worker.job_class, worker.serializer)
+    by_rq = [worker.prepare_execution(jobs[0]), worker.prepare_execution(jobs[1])]
+    worker.prepare_job_execution(jobs[0])
+    worker.set_state("idle")
+    ours = admission.start_jobs(worker, jobs[2:], [True, False])
+    assert worker.get_state() == "busy" and redis_conn.hget(worker.key, "state") == b"busy"
+    skip = {"last_heartbeat", "started_at"}  # times
+
+    def stored(job_id: str) -> dict:
+        return {k: v for k, v in redis_conn.hgetall(f"rq:job:{job_id}").items() if k.decode() not in skip}
+
+    assert stored(ids[2]) | {b"created_at": b"", b"enqueued_at": b"", b"description": b"", b"data": b""} == \
+        stored(ids[0]) | {b"created_at": b"", b"enqueued_at": b"", b"description": b"", b"data": b""}
+    assert stored(ids[2])[b"status"] == b"started" and stored(ids[2])[b"worker_name"] == worker.name.encode()
+    assert stored(ids[3]).get(b"status") == stored(ids[1]).get(b"status") == b"queued"
+    assert redis_conn.ttl(f"rq:job:{ids[2]}") == redis_conn.ttl(f"rq:job:{ids[0]}")
+    started = set(jobs[0].started_job_registry.get_job_ids())
+    assert set(ids) <= started
+    for rq_made, made in zip(by_rq, ours):
+        assert made.id in worker.executions and made.job_id in ids[2:]
+        assert redis_conn.ttl(made.key) > 0 and redis_conn.ttl(rq_made.key) > 0
+        assert redis_conn.smembers(made.worker_executions_key) == redis_conn.smembers(rq_made.worker_executions_key)
 
 
 def test_a_burst_worker_serves_what_is_queued_and_takes_jobs_that_arrive_while_it_runs(redis_url, redis_conn):

@@ -13,7 +13,7 @@ from redis import Redis
 
 from kiviq.client.local_redis import free_port
 from kiviq.jobs.keys import cancel_flag, replay_log
-from kiviq.jobs.models import EventType, StreamEvent
+from kiviq.jobs.models import EventType, StreamEvent, TokenEvent, TokenLogprob, TopLogprob
 from kiviq.worker.outbox import Outbox
 
 
@@ -34,6 +34,22 @@ def test_steps_are_published_in_order_and_numbered(redis_conn):
         assert seqs == [0, 1, 2, 3, 4]
     assert len(timings) == 5 and all(t > 0 for t in timings)
     outbox.close()
+
+
+def test_token_events_handed_over_as_tuples_reach_redis_as_their_stream_events(redis_conn):
+    """The engine's thread puts a step's token events as ``TokenEvent`` tuples; what a
+    client reads is the JSON of the same ``StreamEvent``, beside events put as models."""
+    lp = [TokenLogprob(token="a", token_id=7, logprob=-0.5, top_logprobs=[TopLogprob(token="b", token_id=8, logprob=-1.0)])]
+    tuples = [TokenEvent("a", 0, "Hel", [1, 2]), TokenEvent("a", 1, "lo\n\"x\"", [3], lp)]
+    models = [StreamEvent(job_id="a", seq=0, type=EventType.token, text="Hel", token_ids=[1, 2]),
+              StreamEvent(job_id="a", seq=1, type=EventType.token, text="lo\n\"x\"", token_ids=[3], logprobs=lp)]
+    done = StreamEvent(job_id="a", seq=2, type=EventType.done, finish_reason="stop")
+    outbox = Outbox(redis_conn)
+    outbox.put([*tuples, done], ["a"])
+    assert outbox.wait_published(timeout=10)
+    outbox.close()
+    stored = redis_conn.lrange(replay_log("a"), 0, -1)
+    assert stored == [e.model_dump_json(exclude_none=True).encode() for e in [*models, done]]
 
 
 def test_cancel_flags_of_running_jobs_are_reported_once(redis_conn):

@@ -35,6 +35,8 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Pla
                                disable_created_metrics, generate_latest)
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from kiviq.worker.counted_histogram import CountedHistogram
+
 # No ``*_created`` series (a process-wide switch of the library): in the text
 # format each would be one more gauge family per counter and histogram.
 disable_created_metrics()
@@ -207,8 +209,9 @@ class WorkerMetrics:
         self.requeued = counter("request_requeued_total", "Requests put back into their queue unfinished.")
         self.ttft = histogram("time_to_first_token_seconds", "Time from admission to the first generated token.",
                               TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive generated tokens of a request.",
-                             ITL_BUCKETS)
+        self.itl = CountedHistogram(PREFIX + "inter_token_latency_seconds",
+                                    "Time between consecutive generated tokens of a request.", ITL_BUCKETS,
+                                    {"model_name": model_name}, reg)
         self.tpot = histogram("time_per_output_token_seconds",
                               "Per request: time from its first to its last token over its tokens after the first.",
                               ITL_BUCKETS)
@@ -253,7 +256,8 @@ class WorkerMetrics:
         latency (its first tokens have none: that is TTFT)."""
         with self._lock:
             t = self._clock() if now is None else now
-            jobs, observe, total = self._jobs, self.itl.observe, 0
+            jobs, total = self._jobs, 0
+            gaps: dict[float, int] = {}  # gap -> tokens: one entry for the jobs that got tokens last step
             for job_id, n in counts:
                 if n <= 0:
                     continue
@@ -263,13 +267,14 @@ class WorkerMetrics:
                     self.active.set(len(jobs))
                 if st.last_token_at is not None:
                     gap = max(0.0, t - st.last_token_at) / n
-                    for _ in range(n):
-                        observe(gap)
+                    gaps[gap] = gaps.get(gap, 0) + n
                 else:
                     st.first_token_at = t
                 st.last_token_at = t
                 st.tokens_seen += n
                 total += n
+            for gap, n in gaps.items():
+                self.itl.observe(gap, n)
             self._add_generated(total)
             self._tokens_since_step += total
 
@@ -451,7 +456,7 @@ class WorkerMetrics:
 
     def snapshot(self) -> dict:
         """A JSON-able summary (what ``kiviq top`` shows)."""
-        def mean(h: Histogram) -> float | None:
+        def mean(h: Histogram | CountedHistogram) -> float | None:
             _, total, count = histogram_stats(h)
             return total / count if count else None
 

@@ -35,7 +35,7 @@ import redis
 
 from kiviq.jobs.keys import cancel_flag
 from kiviq.jobs.publisher import EventPublisher
-from kiviq.jobs.models import StreamEvent
+from kiviq.jobs.models import StreamEvent, TokenEvent
 
 log = logging.getLogger("kiviq.worker")
 
@@ -75,7 +75,7 @@ def step_checks(connection: redis.Redis, job_ids: Sequence[str], queue_keys: Seq
 @dataclass
 class _Put:
     number: int  # puts so far, this one included
-    events: list[StreamEvent]
+    events: list[StreamEvent | TokenEvent]
     active_ids: tuple[str, ...]
     endings: list[tuple[str, Callable[[], None]]]  # (job id, its rq bookkeeping)
     ask_queues: bool
@@ -114,7 +114,7 @@ class Outbox:
 
     # ---- the worker's side -------------------------------------------------
 
-    def put(self, events: list[StreamEvent], active_ids: Iterable[str],
+    def put(self, events: list[StreamEvent | TokenEvent], active_ids: Iterable[str],
             endings: Iterable[tuple[str, Callable[[], None]]] = (), *, ask_queues: bool = False) -> int:
         """Hand over one step's events (possibly none), the endings to record once
         they are published ((job id, rq bookkeeping) pairs, run in order), and the

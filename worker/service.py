@@ -4,7 +4,8 @@ jobs into the engine between steps and streams every step's events.
 rq runs one job per ``work()`` iteration, so this worker drives rq's per-job
 pieces itself (DESIGN.md, "rq 3.0 facts"): ``worker.claims`` to pull (in
 place of ``Queue.dequeue_any``, which can lose a job to a kill),
-``prepare_execution`` / ``prepare_job_execution`` to mark a job started,
+the writes of ``prepare_execution`` / ``prepare_job_execution`` to mark a
+burst started (``worker.admission.start_jobs``, one transaction),
 ``handle_job_success`` / ``handle_job_failure`` / ``Job.cancel`` when its
 sequence ends, and rq's heartbeats while it runs (``worker.heartbeats``).
 
@@ -34,7 +35,7 @@ from rq.worker import WorkerStatus
 
 from kiviq.engine.setup import context_length
 from kiviq.jobs.keys import cancel_flag, max_queued_key, queue_names
-from kiviq.jobs.models import EventType, FinishReason, GenerationResult, StreamEvent
+from kiviq.jobs.models import EventType, FinishReason, GenerationResult, StreamEvent, TokenEvent
 from kiviq.jobs.validation import validate_request
 from kiviq.worker import admission, claims
 from kiviq.worker.active_job import ActiveJob, describe_error, queue_wait
@@ -82,7 +83,7 @@ class BatchWorker(SimpleWorker):
         self.metrics = metrics
         self.outbox: Outbox | None = None  # made in serve(): its thread lives as long as serving
         self.active: dict[str, ActiveJob] = {}
-        self._outbox_events: list[StreamEvent] = []
+        self._outbox_events: list[StreamEvent | TokenEvent] = []
         # (job id, its rq bookkeeping and claim release): go with the put that holds
         # the job's final event, and run on the outbox's thread once it is published.
         self._outbox_endings: list[tuple[str, Callable[[], None]]] = []
@@ -252,17 +253,23 @@ class BatchWorker(SimpleWorker):
         # If Redis goes away here the claims stay; recovery requeues them if we never come back.
         jobs = admission.fetch_jobs(self.connection, ids, self.job_class, self.serializer)
         states = admission.stream_states(self.connection, ids)
+        readable = []  # (queue, job, its stream, its payload or the error reading it)
+        for (queue, job_id), job, state in zip(fresh, jobs, states):
+            if job is None:  # deleted while queued: nothing to run
+                claims.release(self.connection, self.name, job_id)
+            elif isinstance(job, Exception):  # a job whose hash cannot even be read
+                self._fail_unreadable(job_id, queue, state, job)
+            else:  # checked before rq touches the job's data itself
+                readable.append((queue, job, state, admission.payload_or_error(job)))
+        # If Redis goes away here none is started, and all stay claimed.
+        executions = admission.start_jobs(self, [job for _, job, _, _ in readable],
+                                          [not isinstance(p, Exception) for *_, p in readable])
         opened = []  # (active, its validated request): encoded together, then added in order
         try:
-            for (queue, job_id), job, state in zip(fresh, jobs, states):
-                if job is None:  # deleted while queued: nothing to run
-                    claims.release(self.connection, self.name, job_id)
-                elif isinstance(job, Exception):  # a job whose hash cannot even be read
-                    self._fail_unreadable(job_id, queue, state, job)
-                else:
-                    started = self._open(job, queue, state)
-                    if started is not None:
-                        opened.append(started)
+            for (queue, job, state, payload), execution in zip(readable, executions):
+                started = self._open(job, queue, state, execution, payload)
+                if started is not None:
+                    opened.append(started)
         finally:  # Redis gone midway: the jobs marked started still run (the rest stay claimed)
             self._submit(opened)
 
@@ -284,17 +291,11 @@ class BatchWorker(SimpleWorker):
             self.engine.add(engine_request)
             log.info("job %s admitted (%d prompt tokens)", active.job.id, active.prompt_tokens)
 
-    def _open(self, job: Job, queue: Queue, stream: admission.StreamState) -> tuple[ActiveJob, Any] | None:
-        """Mark a claimed job started in rq and track it; returns it with its
-        validated request, or None when it ended here (already ended, cancelled,
-        or a request that fails validation)."""
-        execution = self.prepare_execution(job)
-        try:
-            payload, error = admission.job_payload(job), None
-        except Exception as e:  # checked before rq touches the job's data itself
-            payload, error = None, e
-        if error is None:
-            self.prepare_job_execution(job)
+    def _open(self, job: Job, queue: Queue, stream: admission.StreamState, execution: Any,
+              payload: Any) -> tuple[ActiveJob, Any] | None:
+        """Track a job just marked started in rq (``payload``: its request, or the
+        error reading it); returns it with its validated request, or None when it
+        ended here (already ended, cancelled, or a request that fails validation)."""
         job.started_at = now()
         active = ActiveJob(job, queue, execution, stream.next_seq)
         self.active[job.id] = active
@@ -308,8 +309,8 @@ class BatchWorker(SimpleWorker):
             self._cancel(active)
             return None
         try:
-            if error is not None:
-                raise error
+            if isinstance(payload, Exception):
+                raise payload
             return active, validate_request(payload)
         except Exception as e:
             self._finish_failed(active, describe_error(e))
@@ -365,9 +366,9 @@ class BatchWorker(SimpleWorker):
                     logprobs = self._logprobs(ev.logprobs or [])
                     active.logprobs.extend(logprobs)
             active.text.append(ev.text)
-            if ev.text or ev.token_ids:
-                self._outbox_events.append(self._event(active, EventType.token, text=ev.text, token_ids=ev.token_ids,
-                                                       logprobs=logprobs))
+            if ev.text or ev.token_ids:  # made into a StreamEvent on the outbox's thread
+                self._outbox_events.append(TokenEvent(job_id, active.next_seq, ev.text, ev.token_ids, logprobs))
+                active.next_seq += 1
             if ev.finish_reason is not None:
                 endings.append((active, ev))
         if self.metrics is not None:  # before the endings: a job's last tokens count before it ends
