@@ -1,0 +1,126 @@
+"""Builds compared on the service benchmark: the spread of each, and whether they differ.
+
+Reads the ``--json`` files of ``benchmarks/service.py`` processes, grouped by
+build, and prints one row per build over the warm runs (run 1 of a process is
+its first after the warm-up and is reported apart): generated tokens/s through
+the service and the raw engine, the service/raw ratio of each run, the worker's
+time between steps, its ``engine.step`` against the raw engine's, the worker's
+own time on the engine's thread, and the first run against the process's warm
+runs. With two builds it adds a permutation test of the ratio: the share of
+random relabellings of the runs whose difference of means is at least the
+observed one. On the H200 host the same build's runs spread 0.7-1.2 in ratio
+with the host's speed (docs/performance.md, "The host's speed"), so a
+difference needs many processes of each build, interleaved in one lease; runs
+of one process are not independent, so take p as a lower bound.
+
+    python3 benchmarks/service_compare.py new=out/new-1.json,out/new-2.json old=out/old-1.json,out/old-2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import table  # noqa: E402
+
+
+def run_rows(result: dict) -> list[dict]:
+    """Per run of one process: its figures (times in ms per engine step)."""
+    service, raw = result["service"], result["raw"]
+    steps, raw_steps = result["service_steps"], result["raw_steps"]
+    rows = []
+    for i, (s, r, st, rst) in enumerate(zip(service, raw, steps, raw_steps)):
+        n = st["steps"]
+        own = sum(st.get(phase, 0.0) for phase in ("publish", "cancel_check", "admit_housekeeping"))
+        rows.append({
+            "first": i == 0,
+            "service_tok_s": s["generated_tok_s"],
+            "raw_tok_s": r["generated_tok_s"],
+            "ratio": s["generated_tok_s"] / r["generated_tok_s"],
+            "between_ms": (s["wall_s"] - st["step_s"]) / n * 1e3,
+            "step_vs_raw_ms": (st["step_s"] / n - rst["step_s"] / rst["steps"]) * 1e3,
+            "own_ms": own / n * 1e3,
+            "ttft_p50_s": s["ttft_p50_s"],
+            "wall_s": s["wall_s"],
+            "first_all_s": s["first_all_s"],
+        })
+    return rows
+
+
+def first_run_ratios(rows: list[dict]) -> tuple[float, float] | None:
+    """(whole run, time to all first tokens) of the first run over the median warm run."""
+    warm = [r for r in rows if not r["first"]]
+    first = [r for r in rows if r["first"]]
+    if not warm or not first:
+        return None
+    return (first[0]["wall_s"] / statistics.median(r["wall_s"] for r in warm),
+            first[0]["first_all_s"] / statistics.median(r["first_all_s"] for r in warm))
+
+
+def spread(values: list[float], fmt: str) -> str:
+    return " / ".join(format(v, fmt) for v in (min(values), statistics.median(values), max(values)))
+
+
+def permutation_p(a: list[float], b: list[float], rounds: int = 20000, seed: int = 0) -> float:
+    """Two-sided: the share of relabellings whose |mean difference| >= the observed one."""
+    observed = abs(statistics.fmean(a) - statistics.fmean(b))
+    pooled, rng, hits = a + b, random.Random(seed), 0
+    for _ in range(rounds):
+        rng.shuffle(pooled)
+        if abs(statistics.fmean(pooled[:len(a)]) - statistics.fmean(pooled[len(a):])) >= observed - 1e-12:
+            hits += 1
+    return hits / rounds
+
+
+def parse_builds(specs: list[str]) -> dict[str, list[Path]]:
+    builds: dict[str, list[Path]] = {}
+    for spec in specs:
+        label, sep, files = spec.partition("=")
+        if not sep or not label or not files:
+            raise SystemExit(f"service_compare: {spec!r}: give LABEL=FILE[,FILE...]")
+        paths = [Path(f) for f in files.split(",") if f]
+        for path in paths:
+            if not path.is_file():
+                raise SystemExit(f"service_compare: {path}: no such file (a --json of benchmarks/service.py)")
+        builds.setdefault(label, []).extend(paths)
+    return builds
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("builds", nargs="+", help="LABEL=FILE[,FILE...]: a build's service.py --json files")
+    args = p.parse_args(argv)
+    builds = parse_builds(args.builds)
+    header = ["build", "processes", "warm runs", "service tok/s min / median / max", "raw tok/s min / median / max",
+              "service / raw min / median / max", "between steps ms", "step vs raw ms", "worker's own ms",
+              "TTFT p50 s", "first run / warm: whole, to all first tokens"]
+    rows, ratios = [], {}
+    for label, paths in builds.items():
+        per_process = [run_rows(json.loads(path.read_text())) for path in paths]
+        warm = [r for runs in per_process for r in runs if not r["first"]]
+        if not warm:
+            raise SystemExit(f"service_compare: {label}: no warm runs (service.py --runs 2 or more)")
+        firsts = [f for f in map(first_run_ratios, per_process) if f is not None]
+        ratios[label] = [r["ratio"] for r in warm]
+        rows.append([label, len(paths), len(warm), spread([r["service_tok_s"] for r in warm], ",.0f"),
+                     spread([r["raw_tok_s"] for r in warm], ",.0f"), spread(ratios[label], ".3f"),
+                     spread([r["between_ms"] for r in warm], ".2f"), spread([r["step_vs_raw_ms"] for r in warm], "+.2f"),
+                     spread([r["own_ms"] for r in warm], ".2f"),
+                     f"{min(r['ttft_p50_s'] for r in warm):.2f}-{max(r['ttft_p50_s'] for r in warm):.2f}",
+                     ", ".join(f"{w:.2f}x / {a:.2f}x" for w, a in firsts) or "-"])
+    print(table(header, rows))
+    if len(ratios) == 2:
+        (la, a), (lb, b) = ratios.items()
+        print(f"\nservice/raw, mean of warm runs: {la} {statistics.fmean(a):.3f}, {lb} {statistics.fmean(b):.3f}; "
+              f"permutation p (two-sided, runs as independent) {permutation_p(a, b):.3f}")
+
+
+if __name__ == "__main__":
+    main()
