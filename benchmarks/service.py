@@ -12,16 +12,20 @@ in order, while the worker is paused (SIGSTOP), and the clock starts when it
 resumes: it then admits them all before its first step, as the raw engine gets
 them, so the two must produce the same tokens (the engine's greedy tokens
 depend on how prompts are grouped into prefill forwards: jobs that trickle in
-are grouped otherwise). ``--submit live`` submits while the worker runs. Then, in this process, the raw engine (``kiviq.engine.build_engine``
-with the EngineConfig the worker builds from the same flags, warmed up where
-the worker warms up) runs the same requests, run for run.
+are grouped otherwise). ``--submit live`` submits while the worker runs. After
+each run through the service the raw engine in this process
+(``kiviq.engine.build_engine`` with the EngineConfig the worker builds from the
+same flags, warmed up where the worker warms up) runs the same requests, so the
+two runs of a pair meet the host at nearly the same speed; the raw engine and
+the worker hold their model and KV memory at once (on a GPU: twice the model
+and twice a quarter of device memory, unless ``--worker-arg=--kv-memory ...``).
 
 With 4 or more CPUs (``--split-cpus``, the default) the worker runs on the
 lower half of this process's CPUs and the client processes and Redis, which
-stand in for other machines, on the upper half; the raw engine then runs on
-the worker's half. On the H200 host, sharing CPUs with them made the worker's
-engine steps up to 6 ms (of ~20) longer than the raw engine's
-(docs/performance.md, "The whole service on the bulk workload").
+stand in for other machines, on the upper half; the raw engine runs on the
+worker's half while the worker waits. On the H200 host, sharing CPUs with them
+made the worker's engine steps up to 6 ms (of ~20) longer than the raw
+engine's (docs/performance.md, "The whole service on the bulk workload").
 
 Reported per run: generated and prompt tokens/s end to end, the time until
 every job had its first token (and the prompt tokens/s over it), TTFT p50/p99
@@ -158,89 +162,132 @@ def worker_metrics(wargs: list[str]) -> tuple[str, list[str]]:
     return f"http://127.0.0.1:{port}/metrics", wargs
 
 
-def run_service(args, wargs: list[str], model: dict, prompts: list[list[str]], out: dict) -> list:
-    """Every run through a fresh Redis and one worker; both stopped at the end,
-    also on an error or Ctrl-C."""
-    from redis import Redis
+class ServiceArm:
+    """A fresh Redis and one worker for every run; both stopped by ``close``, also
+    on an error or Ctrl-C."""
 
-    log_path = args.log or Path(tempfile.mkstemp(prefix="kiviq-bench-worker-", suffix=".log")[1])
-    cpus = out.get("cpus")
-    if cpus:  # Redis and the client processes inherit the load's CPUs
-        pin_this_process(set(cpus["load"]))
-    redis = RedisProcess(args.redis, args.redis_server)
-    worker = None
-    try:
-        out["redis"] = redis.kind
-        print(f"redis: {redis.kind} at {redis.url}; worker log: {log_path}", flush=True)
-        metrics_url, wargs = worker_metrics(wargs)
-        worker = WorkerProcess(redis.url, model["worker_model"], wargs, log_path,
-                               cpus=set(cpus["worker"]) if cpus else None)
-        out["worker_ready_s"] = worker.wait_ready(Redis.from_url(redis.url), args.start_timeout)
-        print(f"worker registered after {out['worker_ready_s']:.1f} s", flush=True)
-        for line in warm_up_lines(worker.log()):
-            print(f"worker log: {line}", flush=True)
-        records = []
-        for run, run_prompts in enumerate(prompts):
-            before = worker_steps(metrics_url)
-            recs, wall = service_run(redis.url, run_prompts, args.gen, args.job_timeout, out["client_procs"],
-                                     paused=worker if args.submit == "queued" else None)
-            after = worker_steps(metrics_url)
-            out.setdefault("service_steps", []).append({k: v - before.get(k, 0) for k, v in after.items()})
-            if not worker.alive():
-                raise SystemExit(f"the worker died during run {run + 1}:\n{worker.log()[-4000:]}")
-            records.append(recs)
-            s = summarize(recs, wall)
-            print(f"service run {run + 1}: {s['generated_tok_s']:.1f} generated tok/s, {wall:.2f} s", flush=True)
-        out["warm_up_log"] = warm_up_lines(worker.log())
-        took = [re.search(r"warm-up took ([0-9.]+) s", line) for line in out["warm_up_log"]]
-        out["worker_warm_up_s"] = next((float(m.group(1)) for m in took if m), None)
-        return records
-    finally:
-        if worker is not None:
-            worker.stop()
-        redis.stop()
+    def __init__(self, args, wargs: list[str], model: dict, out: dict):
+        from redis import Redis
+
+        self.args, self.out = args, out
+        self.log_path = args.log or Path(tempfile.mkstemp(prefix="kiviq-bench-worker-", suffix=".log")[1])
+        self.cpus = out.get("cpus")
+        self.worker = None
+        if self.cpus:  # Redis and the client processes inherit the load's CPUs
+            pin_this_process(set(self.cpus["load"]))
+        self.redis = RedisProcess(args.redis, args.redis_server)
+        try:
+            out["redis"] = self.redis.kind
+            print(f"redis: {self.redis.kind} at {self.redis.url}; worker log: {self.log_path}", flush=True)
+            self.metrics_url, wargs = worker_metrics(wargs)
+            self.worker = WorkerProcess(self.redis.url, model["worker_model"], wargs, self.log_path,
+                                        cpus=set(self.cpus["worker"]) if self.cpus else None)
+            out["worker_ready_s"] = self.worker.wait_ready(Redis.from_url(self.redis.url), args.start_timeout)
+            print(f"worker registered after {out['worker_ready_s']:.1f} s", flush=True)
+            for line in warm_up_lines(self.worker.log()):
+                print(f"worker log: {line}", flush=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, run: int, run_prompts: list[str]) -> list:
+        if self.cpus:
+            pin_this_process(set(self.cpus["load"]))
+        before = worker_steps(self.metrics_url)
+        recs, wall = service_run(self.redis.url, run_prompts, self.args.gen, self.args.job_timeout,
+                                 self.out["client_procs"], paused=self.worker if self.args.submit == "queued" else None)
+        after = worker_steps(self.metrics_url)
+        self.out.setdefault("service_steps", []).append({k: v - before.get(k, 0) for k, v in after.items()})
+        if not self.worker.alive():
+            raise SystemExit(f"the worker died during run {run + 1}:\n{self.worker.log()[-4000:]}")
+        print(f"service run {run + 1}: {summarize(recs, wall)['generated_tok_s']:.1f} generated tok/s, "
+              f"{wall:.2f} s", flush=True)
+        return recs
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.out["warm_up_log"] = warm_up_lines(self.worker.log())
+            took = [re.search(r"warm-up took ([0-9.]+) s", line) for line in self.out["warm_up_log"]]
+            self.out["worker_warm_up_s"] = next((float(m.group(1)) for m in took if m), None)
+            self.worker.stop()
+            self.worker = None
+        self.redis.stop()
 
 
-def run_raw(args, wargs: list[str], model: dict, prompts: list[list[str]], out: dict) -> list:
+class RawArm:
     """The raw engine in this process, built and warmed up as the worker does
     it (worker/main.py), on the same requests (worker/prompts.py's encoding)."""
-    if out.get("cpus"):  # where the worker ran
-        pin_this_process(set(out["cpus"]["worker"]))
-    import mlx.core as mx
 
-    from kiviq.engine import build_engine, load
-    from kiviq.engine.setup import context_length
-    from kiviq.jobs.models import GenerateRequest
-    from kiviq.worker.cli import build_parser as worker_parser
-    from kiviq.worker.cli import engine_config
-    from kiviq.worker.prompts import build_request
+    def __init__(self, args, wargs: list[str], model: dict, out: dict):
+        import mlx.core as mx
 
-    wa = worker_parser().parse_args(wargs)
-    config = engine_config(wa)
-    lm, tok = load(model["worker_model"], dequantize=wa.dequantize,
-                   cache_dir=os.environ.get("KIVIQ_CACHE_DIR") or None)
-    engine = build_engine(lm, tok, config)
-    out["engine_config"] = dataclasses.asdict(getattr(engine, "config", None) or config)
-    warm = wa.warm_up if wa.warm_up is not None else mx.default_device() == mx.gpu
-    if warm and hasattr(engine, "kv_store"):
-        from kiviq.engine.warmup import warm_up
+        from kiviq.engine import build_engine, load
+        from kiviq.engine.setup import context_length
+        from kiviq.worker.cli import build_parser as worker_parser
+        from kiviq.worker.cli import engine_config
 
-        out["raw_warm_up_s"] = warm_up(engine, lm.args.vocab_size)
-        print(f"raw engine warm-up took {out['raw_warm_up_s']:.1f} s", flush=True)
-    ctx = context_length(lm)
-    records = []
-    for run, run_prompts in enumerate(prompts):
-        requests = [build_request(str(i), GenerateRequest(prompt=p, max_tokens=args.gen), tok, ctx)
-                    for i, p in enumerate(run_prompts)]
+        self.args, self.out = args, out
+        self._pin()
+        wa = worker_parser().parse_args(wargs)
+        config = engine_config(wa)
+        self.lm, self.tokenizer = load(model["worker_model"], dequantize=wa.dequantize,
+                                       cache_dir=os.environ.get("KIVIQ_CACHE_DIR") or None)
+        self.engine = build_engine(self.lm, self.tokenizer, config)
+        out["engine_config"] = dataclasses.asdict(getattr(self.engine, "config", None) or config)
+        warm = wa.warm_up if wa.warm_up is not None else mx.default_device() == mx.gpu
+        if warm and hasattr(self.engine, "kv_store"):
+            from kiviq.engine.warmup import warm_up
+
+            out["raw_warm_up_s"] = warm_up(self.engine, self.lm.args.vocab_size)
+            print(f"raw engine warm-up took {out['raw_warm_up_s']:.1f} s", flush=True)
+        self.context = context_length(self.lm)
+
+    def _pin(self) -> None:
+        if self.out.get("cpus"):  # where the worker runs
+            pin_this_process(set(self.out["cpus"]["worker"]))
+
+    def run(self, run: int, run_prompts: list[str]) -> list:
+        from kiviq.jobs.models import GenerateRequest
+        from kiviq.worker.prompts import build_request
+
+        self._pin()
+        requests = [build_request(str(i), GenerateRequest(prompt=p, max_tokens=self.args.gen), self.tokenizer,
+                                  self.context) for i, p in enumerate(run_prompts)]
         steps: dict = {}
-        recs, wall = raw_run(engine, requests, steps)
-        out.setdefault("raw_steps", []).append(steps)
-        records.append(recs)
+        recs, wall = raw_run(self.engine, requests, steps)
+        self.out.setdefault("raw_steps", []).append(steps)
         print(f"raw engine run {run + 1}: {summarize(recs, wall)['generated_tok_s']:.1f} generated tok/s, "
               f"{wall:.2f} s", flush=True)
-    del engine, lm
-    mx.clear_cache()
-    return records
+        return recs
+
+    def close(self) -> None:
+        import mlx.core as mx
+
+        del self.engine, self.lm
+        mx.clear_cache()
+
+
+def run_interleaved(args, wargs: list[str], model: dict, prompts: list[list[str]], out: dict) -> tuple[list, list]:
+    """Each run through the service, then the same requests through the raw engine,
+    run after run: the host's speed drifts over a process's minutes ("The host's
+    speed", docs/performance.md), so the two runs of a pair come seconds apart.
+    The raw engine is built first (and warmed up), then the worker: both hold their
+    model and KV memory at once."""
+    raw_arm = None if args.no_raw else RawArm(args, wargs, model, out)
+    service, raw = [], []
+    try:
+        service_arm = ServiceArm(args, wargs, model, out)
+        try:
+            for run, run_prompts in enumerate(prompts):
+                service.append(service_arm.run(run, run_prompts))
+                if raw_arm is not None:
+                    raw.append(raw_arm.run(run, run_prompts))
+        finally:
+            service_arm.close()
+    finally:
+        if raw_arm is not None:
+            raw_arm.close()
+    return service, raw
 
 
 def benchmark(args: argparse.Namespace) -> dict:
@@ -275,8 +322,7 @@ def benchmark(args: argparse.Namespace) -> dict:
     corpus = [t for line in text.splitlines(keepends=True) for t in tokenizer.encode(line, add_special_tokens=False)]
     prompts = [make_prompts(tokenizer, run, args.jobs, args.prompt_tokens, corpus) for run in range(args.runs)]
     started = time.perf_counter()
-    service = run_service(args, wargs, model, prompts, out)
-    raw = [] if args.no_raw else run_raw(args, wargs, model, prompts, out)
+    service, raw = run_interleaved(args, wargs, model, prompts, out)
     out["total_s"] = time.perf_counter() - started
     out["service"] = [summarize(r, r_wall(r), live=args.submit == "live") for r in service]
     out["raw"] = [summarize(r, r_wall(r)) for r in raw]

@@ -129,3 +129,6 @@ def test_the_benchmark_runs_the_whole_path_and_its_checks_hold(tmp_path):
     for steps in res["service_steps"]:  # the worker's own loop, by phase (worker_loop_seconds_total)
         assert steps["publish"] > 0 and steps["cancel_check"] > 0
     assert "engine steps," in proc.stdout and "the worker's own ms per step: publish" in proc.stdout
+    # Run by run: each service run is followed by the raw engine's on the same requests.
+    order = [proc.stdout.index(f"{arm} run {k}: ") for k in (1, 2) for arm in ("service", "raw engine")]
+    assert order == sorted(order)
