@@ -42,7 +42,7 @@ def test_builds_are_summarized_over_warm_runs_and_compared(tmp_path, capsys):
     assert cells[5] == "0.857 / 0.900 / 0.943"
     assert cells[7] == "+2.34 / +4.82 / +7.30"  # engine.step against the raw engine's, ms per step
     assert cells[10] == "3.14x / 1.50x"  # the first run against the median warm run
-    assert "permutation p (two-sided" in out
+    assert "permutation p (two-sided)" in out and "processes' means as the samples 1.000" in out  # one process each
 
 
 def test_a_bad_argument_is_one_line(tmp_path):
