@@ -151,6 +151,24 @@ def test_model_name_label_process_metrics_and_one_registry_each():
     assert not any(n.endswith("_created") for n in fam_a)  # no *_created series
 
 
+def test_one_step_of_many_jobs_counts_each_jobs_own_gap():
+    """A step's tokens are counted per distinct gap: jobs that got tokens in the step
+    before share one, a job that waited longer has its own, a first token has none."""
+    m = WorkerMetrics(MODEL, clock=FakeClock())
+    jobs = [f"j{i}" for i in range(6)]
+    for j in jobs:
+        m.job_admitted(j, 0.0, "kiviq-default")
+    m.step_tokens([(j, 1) for j in jobs[:4]], now=1.0)
+    m.step_tokens([("j4", 1)], now=1.5)
+    m.step_tokens([(j, 1) for j in jobs[:5]] + [("j5", 1)], now=2.0)  # gaps 1.0 x4 and 0.5; j5's first
+    fam = parse(m.render())
+    assert value_of(fam, "kiviq:inter_token_latency_seconds_count") == 5
+    assert value_of(fam, "kiviq:inter_token_latency_seconds_sum") == pytest.approx(4.5)
+    assert value_of(fam, "kiviq:inter_token_latency_seconds_bucket", le="0.5") == 1
+    assert value_of(fam, "kiviq:inter_token_latency_seconds_bucket", le="1.0") == 5
+    assert value_of(fam, "kiviq:generation_tokens_total") == 11
+
+
 def test_inter_token_latency_time_per_output_token_and_kv_gauges():
     m = WorkerMetrics(MODEL, clock=FakeClock())
     m.job_admitted("a", 0.0, "kiviq-default")
