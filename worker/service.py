@@ -270,7 +270,7 @@ class BatchWorker(SimpleWorker):
                 started = self._open(job, queue, state, execution, payload)
                 if started is not None:
                     opened.append(started)
-        finally:  # Redis gone midway: the jobs marked started still run (the rest stay claimed)
+        finally:  # an error midway: the jobs opened so far still run (the rest stay claimed: recovery requeues them)
             self._submit(opened)
 
     def _submit(self, opened: list[tuple[ActiveJob, Any]]) -> None:
