@@ -1,0 +1,29 @@
+"""benchmarks/prefill_shapes.py records the shapes the GPU would meet: first chunks
+padded to a multiple of 64 wide and to a power of two of rows in attention, and the
+same prompts again meet nothing new."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import prefill_shapes  # noqa: E402
+
+
+def test_a_group_of_first_chunks_is_recorded_with_the_gpus_padding_and_repeats_meet_nothing_new():
+    from kiviq.engine import batch_engine, kivi_cache
+
+    patched = kivi_cache.causal_attention, batch_engine.make_detokenizer
+    engine = prefill_shapes.gpu_engine(budget=1024, width_multiple=64)
+    with prefill_shapes.ShapeLog(engine) as log:
+        log.phase = "a"
+        prefill_shapes.run_workload(engine, random.Random(1), jobs=3, tokens=100, tag="a")
+        assert log.shapes["a"] == {("forward", 3, 128), ("attention", 4, 128, 128)}
+        assert log.forwards["a"] == 1
+        log.phase = "b"
+        prefill_shapes.run_workload(engine, random.Random(1), jobs=3, tokens=100, tag="b")
+        assert log.shapes["b"] == log.shapes["a"]
+    assert (kivi_cache.causal_attention, batch_engine.make_detokenizer) == patched  # restored for other tests
