@@ -225,14 +225,14 @@ def test_job_whose_final_event_exists_is_recorded_not_rerun(worker_process, redi
     from kiviq.jobs.publisher import EventPublisher
 
     queue = Queue(queue_name("low"), connection=redis_conn, serializer=JSONSerializer)
-    job = queue.enqueue_call("kiviq.jobs.tasks.generate", args=({"prompt": "x", "max_tokens": 3},), timeout=-1)
-    redis_conn.lrem(queue.key, 0, job.id)  # hold it back while its "earlier run" is written
+    # Made, not queued, while its "earlier run" is written (the idle worker polls its queues).
+    job = queue.create_job("kiviq.jobs.tasks.generate", args=({"prompt": "x", "max_tokens": 3},), timeout=-1)
     result = GenerationResult(job_id=job.id, text="earlier run", token_ids=[1, 2], finish_reason="length",
                               usage=Usage(prompt_tokens=1, completion_tokens=2))
     EventPublisher(redis_conn).publish([
         StreamEvent(job_id=job.id, seq=0, type=EventType.token, text="earlier run", token_ids=[1, 2]),
         StreamEvent(job_id=job.id, seq=1, type=EventType.done, finish_reason="length", result=result)])
-    redis_conn.rpush(queue.key, job.id)
+    queue.enqueue_job(job)
     wait_for(lambda: job.get_status(refresh=True).value == "finished", 60, "job recorded")
     assert count_done_events(redis_conn, job.id) == 1
     assert job.latest_result().return_value["text"] == "earlier run"
