@@ -151,6 +151,13 @@ def test_model_name_label_process_metrics_and_one_registry_each():
     assert not any(n.endswith("_created") for n in fam_a)  # no *_created series
 
 
+def itl_histogram(fam, *bounds: str) -> tuple:
+    """The ITL histogram's (count, sum, [cumulative count at each bound])."""
+    name = "kiviq:inter_token_latency_seconds"
+    return (value_of(fam, f"{name}_count"), value_of(fam, f"{name}_sum"),
+            [value_of(fam, f"{name}_bucket", le=le) for le in bounds])
+
+
 def test_one_step_of_many_jobs_counts_each_jobs_own_gap():
     """A step's tokens are counted per distinct gap: jobs that got tokens in the step
     before share one, a job that waited longer has its own, a first token has none."""
@@ -162,10 +169,7 @@ def test_one_step_of_many_jobs_counts_each_jobs_own_gap():
     m.step_tokens([("j4", 1)], now=1.5)
     m.step_tokens([(j, 1) for j in jobs[:5]] + [("j5", 1)], now=2.0)  # gaps 1.0 x4 and 0.5; j5's first
     fam = parse(m.render())
-    assert value_of(fam, "kiviq:inter_token_latency_seconds_count") == 5
-    assert value_of(fam, "kiviq:inter_token_latency_seconds_sum") == pytest.approx(4.5)
-    assert value_of(fam, "kiviq:inter_token_latency_seconds_bucket", le="0.5") == 1
-    assert value_of(fam, "kiviq:inter_token_latency_seconds_bucket", le="1.0") == 5
+    assert itl_histogram(fam, "0.5", "1.0") == (5, pytest.approx(4.5), [1, 5])
     assert value_of(fam, "kiviq:generation_tokens_total") == 11
 
 
@@ -179,10 +183,7 @@ def test_inter_token_latency_time_per_output_token_and_kv_gauges():
     m.job_admitted("b", 0.0, "kiviq-default")
     m.step(0.01, decode_tokens=1, prefill_tokens=0, running=1, waiting=3, kv_used_bytes=512, kv_budget_bytes=2048)
     fam = parse(m.render())
-    assert value_of(fam, "kiviq:inter_token_latency_seconds_count") == 4
-    assert value_of(fam, "kiviq:inter_token_latency_seconds_sum") == pytest.approx(0.25)
-    assert value_of(fam, "kiviq:inter_token_latency_seconds_bucket", le="0.05") == 0
-    assert value_of(fam, "kiviq:inter_token_latency_seconds_bucket", le="0.075") == 4
+    assert itl_histogram(fam, "0.05", "0.075") == (4, pytest.approx(0.25), [0, 4])
     assert value_of(fam, "kiviq:time_per_output_token_seconds_count") == 1
     assert value_of(fam, "kiviq:time_per_output_token_seconds_sum") == pytest.approx(0.0625)
     assert value_of(fam, "kiviq:kv_cache_usage_perc") == 0.25
