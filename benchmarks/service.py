@@ -163,8 +163,8 @@ def worker_metrics(wargs: list[str]) -> tuple[str, list[str]]:
 
 
 class ServiceArm:
-    """A fresh Redis and one worker for every run; both stopped by ``close``, also
-    on an error or Ctrl-C."""
+    """A Redis server and one worker, started fresh and kept for all the runs;
+    ``close`` stops both (``run_interleaved`` calls it also on an error or Ctrl-C)."""
 
     def __init__(self, args, wargs: list[str], model: dict, out: dict):
         from redis import Redis
