@@ -367,8 +367,7 @@ class BatchWorker(SimpleWorker):
                     active.logprobs.extend(logprobs)
             active.text.append(ev.text)
             if ev.text or ev.token_ids:  # made into a StreamEvent on the outbox's thread
-                self._outbox_events.append(TokenEvent(job_id, active.next_seq, ev.text, ev.token_ids, logprobs))
-                active.next_seq += 1
+                self._outbox_events.append(TokenEvent(job_id, self._next_seq(active), ev.text, ev.token_ids, logprobs))
             if ev.finish_reason is not None:
                 endings.append((active, ev))
         if self.metrics is not None:  # before the endings: a job's last tokens count before it ends
@@ -382,9 +381,13 @@ class BatchWorker(SimpleWorker):
             self.metrics.observe_engine_step(self.engine, time.monotonic() - started)
 
     def _event(self, active: ActiveJob, type_: EventType, **fields) -> StreamEvent:
-        event = StreamEvent(job_id=active.job.id, seq=active.next_seq, type=type_, **fields)
+        return StreamEvent(job_id=active.job.id, seq=self._next_seq(active), type=type_, **fields)
+
+    @staticmethod
+    def _next_seq(active: ActiveJob) -> int:
+        """The sequence number of the job's next event (numbered here, in order, with no gaps)."""
         active.next_seq += 1
-        return event
+        return active.next_seq - 1
 
     def _flush_outbox(self, after_step: bool = False) -> None:
         """Hand pending events and endings to the outbox (after a step, with the
