@@ -9,7 +9,10 @@ padding multiples forced, on a tiny random model with the Qwen3-4B attention
 shape, and counts per run: forwards, the distinct forward (rows, width) and
 attention (rows, queries, keys) shapes, and those that neither the warm-up nor
 an earlier run met. Attention itself is skipped (only its shape matters), so it
-takes seconds on a CPU.
+takes seconds on a CPU. Beside the shapes, what a scheduling change trades them
+against: the steps until every prompt has its first token (each a pass over the
+model's weights and ~20-30 ms of fixed cost on the H200) and the tokens the forwards
+computed, padding included, per prompt token.
 
     python benchmarks/prefill_shapes.py --jobs 64 --prompt-tokens 1200 --runs 5 --budget 16384
 """
@@ -73,6 +76,7 @@ class ShapeLog:
         self.phase = "warm-up"
         self.shapes: dict[str, set] = defaultdict(set)
         self.forwards: dict[str, int] = defaultdict(int)
+        self.tokens: dict[str, int] = defaultdict(int)  # rows x width of the forwards, padding included
         runner = engine.runner
         first, later = runner.prefill_first, runner.prefill
 
@@ -109,6 +113,7 @@ class ShapeLog:
     def _forward(self, shape: tuple) -> None:
         self.shapes[self.phase].add(shape)
         self.forwards[self.phase] += 1
+        self.tokens[self.phase] += shape[1] * shape[2]
 
 
 def gpu_engine(budget: int, width_multiple: int):
@@ -120,13 +125,23 @@ def gpu_engine(budget: int, width_multiple: int):
     return engine
 
 
-def run_workload(engine, rng: random.Random, jobs: int, tokens: int, tag: str) -> None:
-    """``jobs`` prompts of ``tokens`` +-10% random tokens, two new tokens each, all at once."""
+def run_workload(engine, rng: random.Random, jobs: int, tokens: int, tag: str) -> tuple[int, int]:
+    """``jobs`` prompts of ``tokens`` +-10% random tokens, two new tokens each, all at
+    once. Returns the engine steps until every prompt had its first token, and the
+    prompt tokens."""
+    prompt_tokens = 0
     for i in range(jobs):
         n = rng.randint(int(tokens * 0.9), int(tokens * 1.1))
+        prompt_tokens += n
         engine.add(Request(f"{tag}-{i}", [rng.randrange(10, VOCAB) for _ in range(n)], 2, SamplingParams()))
+    started: set[str] = set()
+    steps = 0
     while engine.has_work():
-        engine.step()
+        events = engine.step()
+        if len(started) < jobs:
+            steps += 1
+            started.update(ev.request_id for ev in events if ev.token_ids or ev.finish_reason)
+    return steps, prompt_tokens
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,11 +166,12 @@ def main(argv: list[str] | None = None) -> None:
         rng = random.Random(args.seed)
         for run in range(1, args.runs + 1):
             log.phase = f"run {run}"
-            run_workload(engine, rng, args.jobs, args.prompt_tokens, log.phase)
+            steps, prompt_tokens = run_workload(engine, rng, args.jobs, args.prompt_tokens, log.phase)
             seen = log.shapes[log.phase]
             new = seen - known
             known |= seen
-            rows.append([run, log.forwards[log.phase], count(seen, "forward"), count(seen, "attention"),
+            rows.append([run, steps, f"{log.tokens[log.phase] / prompt_tokens:.3f}",
+                         log.forwards[log.phase], count(seen, "forward"), count(seen, "attention"),
                          count(new, "forward"), count(new, "attention"),
                          ", ".join(f"{r}x{q}/{k}" for _, r, q, k in sorted(s for s in new if s[0] == "attention"))
                          or "-"])
@@ -164,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
           f"chunks padded to {args.width_multiple}, splits to {PREFILL_CHUNK_MULTIPLE}; the warm-up met "
           f"{count(log.shapes['warm-up'], 'forward')} forward and {count(log.shapes['warm-up'], 'attention')} "
           f"attention shapes\n")
-    print(table(["run", "forwards", "forward shapes", "attention shapes", "new forward shapes",
+    print(table(["run", "steps to all first tokens", "forward tokens / prompt tokens", "forwards", "forward shapes", "attention shapes", "new forward shapes",
                  "new attention shapes", "new attention: rows x queries / keys"], rows))
 
 
