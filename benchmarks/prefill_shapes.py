@@ -11,8 +11,8 @@ attention (rows, queries, keys) shapes, and those that neither the warm-up nor
 an earlier run met. Attention itself is skipped (only its shape matters), so it
 takes seconds on a CPU. Beside the shapes, what a scheduling change trades them
 against: the steps until every prompt has its first token (each a pass over the
-model's weights and ~20-30 ms of fixed cost on the H200) and the tokens the forwards
-computed, padding included, per prompt token.
+model's weights) and the tokens the forwards computed, padding included, per prompt
+token.
 
     python benchmarks/prefill_shapes.py --jobs 64 --prompt-tokens 1200 --runs 5 --budget 16384
 """
@@ -180,8 +180,9 @@ def main(argv: list[str] | None = None) -> None:
           f"chunks padded to {args.width_multiple}, splits to {PREFILL_CHUNK_MULTIPLE}; the warm-up met "
           f"{count(log.shapes['warm-up'], 'forward')} forward and {count(log.shapes['warm-up'], 'attention')} "
           f"attention shapes\n")
-    print(table(["run", "steps to all first tokens", "forward tokens / prompt tokens", "forwards", "forward shapes", "attention shapes", "new forward shapes",
-                 "new attention shapes", "new attention: rows x queries / keys"], rows))
+    print(table(["run", "steps to all first tokens", "forward tokens / prompt tokens", "forwards",
+                 "forward shapes", "attention shapes", "new forward shapes", "new attention shapes",
+                 "new attention: rows x queries / keys"], rows))
 
 
 if __name__ == "__main__":
