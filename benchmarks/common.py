@@ -1,4 +1,5 @@
-"""Small helpers shared by the benchmarks: the machine line and markdown tables."""
+"""Small helpers shared by the benchmarks: the machine line, markdown tables, and
+code trees run in fresh processes."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -167,3 +169,53 @@ def prefilled_engine(model, tokenizer, prompts: list[list[int]], gen: int, *, bi
         if engine.stats["preemptions"]:
             raise SystemExit(f"the KV budget ({kv_bytes >> 20} MiB) does not hold B={b}")
     return engine
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def arm_tree(spec: str, tmp: str) -> str:
+    """A directory holding an arm's code: the working tree (``.``), a directory, or a
+    git revision extracted into ``tmp``."""
+    if spec == ".":
+        return str(ROOT)
+    if Path(spec).is_dir():
+        return str(Path(spec).resolve())
+    dest = Path(tmp) / spec.replace("/", "_")
+    if not dest.exists():
+        dest.mkdir()
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", spec], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return str(dest)
+
+
+def run_in_trees(script: str, trees: list[str] | None, processes: int) -> dict[str, list[dict]]:
+    """This command line without ``--processes`` and ``--tree``, run as
+    ``benchmarks/<script>`` of each code tree (``NAME=.``, ``NAME=DIR`` or
+    ``NAME=<git revision>``; default ``this=.``) in ``processes`` fresh processes
+    per tree, the trees interleaved (A B A B ...). Each child writes what it
+    measured to ``--summary-json PATH``; returns those summaries per tree name,
+    in order."""
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif a in ("--processes", "--tree"):
+            skip = True
+        elif not a.startswith(("--processes=", "--tree=")):
+            argv.append(a)
+    results: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        named = [t.split("=", 1) for t in (trees or ["this=."])]
+        if any(len(t) != 2 or not t[0] for t in named):
+            raise SystemExit(f"--tree: expected NAME=TREE, got {trees}")
+        dirs = [(name, arm_tree(spec, tmp)) for name, spec in named]
+        for i in range(processes):
+            for name, tree in dirs:
+                path = os.path.join(tmp, f"{name}-{i}.json")
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, *filter(None, [os.environ.get("PYTHONPATH")])]))
+                subprocess.run([sys.executable, os.path.join(tree, "benchmarks", script), *argv, "--summary-json", path],
+                               check=True, env=env, cwd=tree)
+                with open(path) as f:
+                    results.setdefault(name, []).append(json.load(f))
+    return results

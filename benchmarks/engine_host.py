@@ -143,21 +143,6 @@ def child(args) -> dict:
                 device=str(mx.default_device()))
 
 
-def arm_tree(spec: str, tmp: str) -> str:
-    """A directory holding the arm's code: the working tree, a directory, or an
-    extracted git revision."""
-    if spec == ".":
-        return str(ROOT)
-    if Path(spec).is_dir():
-        return str(Path(spec).resolve())
-    dest = Path(tmp) / spec.replace("/", "_")
-    if not dest.exists():
-        dest.mkdir()
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", spec], check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    return str(dest)
-
-
 def stats_ms(xs: list[float]) -> str:
     ms = [x * 1e3 for x in xs]
     return f"{min(ms):.2f} / {statistics.median(ms):.2f} / {statistics.fmean(ms):.2f} / {max(ms):.2f}"
@@ -190,7 +175,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks.common import command, machine, table
+    from benchmarks.common import arm_tree, command, machine, table
 
     arms = [a.split("=", 1) for a in (args.arm or ["now=."])]
     flush_blocks = {}  # per arm

@@ -13,6 +13,15 @@ pays for compiling new shapes (cold); later ones are warm. Each run's greedy
 tokens are digested: runs with the same index see the same prompts, so two
 commands (a budget sweep, an older checkout) can be compared token for token.
 
+To compare code trees, and a change against the spread between processes of one
+build, ``--processes N --tree NAME=TREE ...`` runs the whole command in N fresh
+processes per tree, the trees interleaved, and summarizes each tree's warm runs
+(min / median / max over every process), its first runs against the same
+process's warm median, and whether every tree gave the same tokens run by run:
+
+    python3 benchmarks/prefill.py --requests 64 --prompt-tokens 1200 --gen 1 --runs 6 --warm-up \
+        --processes 2 --tree before=<rev or dir> --tree after=.
+
     python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --prompt-tokens 1200 --gen 256 --runs 3
     python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --gen 1 --max-batch-tokens 4096 16384
     python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --gen 1 --runs 2 --trace
@@ -34,6 +43,7 @@ import argparse
 import contextlib
 import cProfile
 import hashlib
+import json
 import statistics
 import sys
 import time
@@ -44,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import command, device_trace, host_probe, machine, table  # noqa: E402
+from benchmarks.common import command, device_trace, host_probe, machine, run_in_trees, table  # noqa: E402
 from benchmarks.engine import SHAPES, random_model  # noqa: E402
 from kiviq.engine import Request, build_engine  # noqa: E402
 from tests.engine_runs import IdTokenizer  # noqa: E402
@@ -178,6 +188,41 @@ def pct(values: list[float], q: float) -> str:
     return f"{1e3 * float(np.percentile(values, q)):.0f}"
 
 
+def across_processes(args) -> None:
+    """``--processes`` / ``--tree``: per tree, the warm runs of every process (time to
+    all first tokens, prompt tokens/s, generated tokens/s), each process's first run
+    over its own warm median, and per run index whether every process of every tree
+    gave the same tokens."""
+    print(f"# {command()}\n# {machine()}\n")
+    results = run_in_trees("prefill.py", args.trees, args.processes)
+
+    def spread(xs: list[float], fmt: str) -> str:
+        return " / ".join(format(x, fmt) for x in (min(xs), statistics.median(xs), max(xs))) if xs else "-"
+
+    rows = []
+    for name, procs in results.items():
+        warm = [r for p in procs for r in p["runs"] if r["state"] == "warm"]
+        firsts = []
+        for p in procs:
+            own = [r["first_all"] for r in p["runs"] if r["state"] == "warm"]
+            firsts += [r["first_all"] / statistics.median(own) for r in p["runs"] if r["state"] != "warm" and own]
+        rows.append([name, len(procs), len(warm), spread([r["first_all"] for r in warm], ".2f"),
+                     spread([r["prompt_tok_s"] for r in warm], ",.0f"), spread([r["generated_tok_s"] for r in warm], ",.0f"),
+                     " ".join(f"{x:.2f}" for x in firsts) or "-",
+                     " ".join(f"{p['host_probe_ms']:.1f}" for p in procs)])
+    print(f"\n{args.processes} fresh processes per tree, trees interleaved\n")
+    print(table(["tree", "processes", "warm runs", "all first tokens s: min / median / max",
+                 "prompt tok/s: min / median / max", "generated tok/s: min / median / max",
+                 "first run / its process's warm median", "host probe ms per process"], rows))
+    digests: dict[tuple, set] = {}
+    for procs in results.values():
+        for p in procs:
+            for r in p["runs"]:
+                digests.setdefault((r["budget"], r["cap"], r["run"]), set()).add(r["digest"])
+    differ = [f"budget {b} cap {c or '-'} run {n}: {len(d)} different" for (b, c, n), d in digests.items() if len(d) > 1]
+    print("\ntokens, run by run, every process of every tree: " + ("; ".join(differ) if differ else "the same"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="qwen3-4b", choices=sorted(SHAPES))
@@ -204,12 +249,22 @@ def main() -> None:
     p.add_argument("--shapes", action="store_true",
                    help="per run: time in steps that met a new shape (compiles) against known ones, "
                         "and the --top slowest new-shape steps of the first run")
+    p.add_argument("--processes", type=int, default=1,
+                   help="run the whole command in N fresh processes per --tree, interleaved, and summarize")
+    p.add_argument("--tree", action="append", dest="trees", metavar="NAME=TREE",
+                   help="with --processes: a code tree, repeatable: NAME=. (the working tree), NAME=DIR or "
+                        "NAME=<git revision> (extracted with git archive); default this=.")
+    p.add_argument("--summary-json", dest="summary_json", help=argparse.SUPPRESS)  # a child of --processes
     args = p.parse_args()
+    if args.processes < 1:
+        raise SystemExit("--processes must be at least 1")
+    if args.processes > 1 or args.trees:
+        return across_processes(args)
 
     print(f"# {command()}\n# {machine()}\n")
     model = random_model(args.shape, getattr(mx, args.dtype), None)
     vocab = SHAPES[args.shape]["vocab_size"]
-    rows, events, seen, profiles = [], [], set(), []
+    rows, events, seen, profiles, summary = [], [], set(), [], []
     arms = [(budget, cap or None) for budget in args.max_batch_tokens for cap in args.prefill_while_decoding]
     for arm, (budget, cap) in enumerate(arms):
         options = {} if budget is None else {"max_batch_tokens": budget}
@@ -235,6 +290,9 @@ def main() -> None:
             events = ev or events
             # Compiled shapes stay with the process: only its first run is cold.
             state = "warm" if run or arm else "after warm-up" if args.warm_up else "cold"
+            summary.append(dict(budget=budget, cap=cap, run=run, state=state, first_all=r["first_all"],
+                                prompt_tok_s=r["prompt"] / r["first_all"], generated_tok_s=r["generated"] / r["total"],
+                                digest=r["digest"]))
             rows.append([budget, cap or "-", run, state, f"{r['first_all']:.2f}",
                          f"{r['prompt'] / r['first_all']:,.0f}", f"{r['total']:.2f}",
                          f"{r['generated'] / r['total']:,.1f}",
@@ -253,6 +311,9 @@ def main() -> None:
     probe = host_probe()
     print(f"\nhost probe (a fixed pure-Python loop, best of 7; compare processes by it): "
           f"{probe['host_probe_ms']:.2f} ms on CPU {probe['host_cpu']}")
+    if args.summary_json:
+        with open(args.summary_json, "w") as f:
+            json.dump(dict(runs=summary, **probe), f)
     if args.ceiling:
         prompts = make_prompts(0, args.requests, args.prompt_tokens, vocab)
         budget = rows[-1][0]

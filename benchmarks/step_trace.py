@@ -328,33 +328,10 @@ def across_processes(args) -> None:
     arm, the median step of each process, their min / median / max and the
     slowest-to-fastest ratio, and whether every process of every tree produced the
     same tokens."""
-    import subprocess
-    import tempfile
+    from benchmarks.common import run_in_trees
 
-    from benchmarks.engine_host import arm_tree
-
-    argv, skip = [], False
-    for a in sys.argv[1:]:
-        if skip:
-            skip = False
-        elif a in ("--processes", "--tree"):
-            skip = True
-        elif not a.startswith(("--processes=", "--tree=")):
-            argv.append(a)
     print(f"# {command()}\n# {machine()}\n")
-    results: dict[str, list[dict]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        trees = [(name, arm_tree(spec, tmp)) for name, spec in
-                 (t.split("=", 1) for t in (args.trees or ["this=."]))]
-        for i in range(args.processes):
-            for name, tree in trees:
-                path = os.path.join(tmp, f"{name}-{i}.json")
-                env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                    [tree, *filter(None, [os.environ.get("PYTHONPATH")])]))
-                subprocess.run([sys.executable, os.path.join(tree, "benchmarks", "step_trace.py"), *argv,
-                                "--summary-json", path], check=True, env=env, cwd=tree)
-                with open(path) as f:
-                    results.setdefault(name, []).append(json.load(f))
+    results = run_in_trees("step_trace.py", args.trees, args.processes)
     digests = {label: {r[label]["digest"] for runs in results.values() for r in runs}
                for label in next(iter(results.values()))[0]}
     rows = []
