@@ -13,15 +13,6 @@ pays for compiling new shapes (cold); later ones are warm. Each run's greedy
 tokens are digested: runs with the same index see the same prompts, so two
 commands (a budget sweep, an older checkout) can be compared token for token.
 
-To compare code trees, and a change against the spread between processes of one
-build, ``--processes N --tree NAME=TREE ...`` runs the whole command in N fresh
-processes per tree, the trees interleaved, and summarizes each tree's warm runs
-(min / median / max over every process), its first runs against the same
-process's warm median, and whether every tree gave the same tokens run by run:
-
-    python3 benchmarks/prefill.py --requests 64 --prompt-tokens 1200 --gen 1 --runs 6 --warm-up \
-        --processes 2 --tree before=<rev or dir> --tree after=.
-
     python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --prompt-tokens 1200 --gen 256 --runs 3
     python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --gen 1 --max-batch-tokens 4096 16384
     python3 benchmarks/prefill.py --shape qwen3-4b --requests 64 --gen 1 --runs 2 --trace
@@ -35,6 +26,15 @@ new to the process (what compiles cost) and lists the first run's slowest such s
 ``--ceiling`` also times the bare model (mlx-lm, no cache) over the same
 prompts in right-padded forwards of the same budget: what the matmuls and the
 attention alone cost, the ceiling of any cache.
+
+To compare code trees, and a change against the spread between processes of one
+build, ``--processes N --tree NAME=TREE ...`` runs the whole command in N fresh
+processes per tree, the trees interleaved, and summarizes each tree's warm runs
+(min / median / max over every process), its first runs against the same
+process's warm median, and whether every tree gave the same tokens run by run:
+
+    python3 benchmarks/prefill.py --requests 64 --prompt-tokens 1200 --gen 1 --runs 6 --warm-up \
+        --processes 2 --tree before=<rev or dir> --tree after=.
 """
 
 from __future__ import annotations
@@ -290,12 +290,12 @@ def main() -> None:
             events = ev or events
             # Compiled shapes stay with the process: only its first run is cold.
             state = "warm" if run or arm else "after warm-up" if args.warm_up else "cold"
-            summary.append(dict(budget=budget, cap=cap, run=run, state=state, first_all=r["first_all"],
-                                prompt_tok_s=r["prompt"] / r["first_all"], generated_tok_s=r["generated"] / r["total"],
-                                digest=r["digest"]))
+            measured = dict(budget=budget, cap=cap, run=run, state=state, first_all=r["first_all"],
+                            prompt_tok_s=r["prompt"] / r["first_all"], generated_tok_s=r["generated"] / r["total"],
+                            digest=r["digest"])
+            summary.append(measured)
             rows.append([budget, cap or "-", run, state, f"{r['first_all']:.2f}",
-                         f"{r['prompt'] / r['first_all']:,.0f}", f"{r['total']:.2f}",
-                         f"{r['generated'] / r['total']:,.1f}",
+                         f"{measured['prompt_tok_s']:,.0f}", f"{r['total']:.2f}", f"{measured['generated_tok_s']:,.1f}",
                          f"{pct(r['itl_burst'], 50)} / {pct(r['itl_burst'], 99)}",
                          f"{pct(r['itl'], 50)} / {pct(r['itl'], 99)}", r["digest"]])
             print(table(COLUMNS, rows[-1:]), flush=True)
