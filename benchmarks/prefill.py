@@ -82,17 +82,18 @@ class ShapeLog:
         self.new = {"prefill": [0, 0.0], "decode": [0, 0.0], "known": [0, 0.0]}
         self.first_seen: list = []  # (key, seconds) of this run's new shapes
         runner, store = engine.runner, engine.runner.store
-        decode, prefill = runner.decode, runner.prefill
-        begin_decode, begin_prefill, widths = store.begin_decode, store.begin_prefill, []
+        decode, prefill, prefill_first = runner.decode, runner.prefill, runner.prefill_first
+        begin_decode, widths = store.begin_decode, []
 
         def logged_begin(*a, **kw):
             batch = begin_decode(*a, **kw)
             widths.append(batch.block_tables.shape[1])
             return batch
 
-        def logged_begin_prefill(seqs, lengths, width):  # first chunks, padded to width
-            self.step_keys.append(("prefill", len(seqs), width))
-            return begin_prefill(seqs, lengths, width)
+        def logged_prefill_first(seqs, chunks, groups=None):  # the packed forward and its attention groups
+            layout = runner.prefill_layout([len(c) for c in chunks], groups)
+            self.step_keys.append(("prefill", layout.tokens, tuple((g.attention_rows, g.width) for g in layout.groups)))
+            return prefill_first(seqs, chunks, groups)
 
         def logged_decode(seqs, tokens):
             widths.clear()
@@ -104,8 +105,8 @@ class ShapeLog:
             self.step_keys.append(("chunk", 1, len(tokens)))
             return prefill(seq, tokens)
 
-        runner.decode, runner.prefill = logged_decode, logged_prefill
-        store.begin_decode, store.begin_prefill = logged_begin, logged_begin_prefill
+        runner.decode, runner.prefill, runner.prefill_first = logged_decode, logged_prefill, logged_prefill_first
+        store.begin_decode = logged_begin
 
     def start_run(self) -> None:
         self.seen.update(self.step_keys)  # steps outside a run (a warm-up) are known shapes

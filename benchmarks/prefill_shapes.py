@@ -6,8 +6,9 @@ shape once (~20-30 ms); docs/performance.md, "Bulk prefill". Which shapes a run
 meets is decided by the engine's scheduling and padding alone, so this runs the
 real engine (scheduler, first-chunk packing, splits, the warm-up) with the GPU's
 padding multiples forced, on a tiny random model with the Qwen3-4B attention
-shape, and counts per run: forwards, the distinct forward (rows, width) and
-attention (rows, queries, keys) shapes, and those that neither the warm-up nor
+shape, and counts per run: forwards, the distinct forward (rows, 1: first chunks
+packed a row per token; a later chunk's (1, length)) and attention (rows, queries,
+keys) shapes, and those that neither the warm-up nor
 an earlier run met. Attention itself is skipped (only its shape matters), so it
 takes seconds on a CPU. Beside the shapes, what a scheduling change trades them
 against: the steps until every prompt has its first token (each a pass over the
@@ -80,10 +81,9 @@ class ShapeLog:
         runner = engine.runner
         first, later = runner.prefill_first, runner.prefill
 
-        def prefill_first(seqs, chunks):
-            m = runner.prefill_width_multiple
-            self._forward(("forward", len(chunks), -(-max(map(len, chunks)) // m) * m))
-            return first(seqs, chunks)
+        def prefill_first(seqs, chunks, groups=None):  # one packed forward: a row per token
+            self._forward(("forward", runner.prefill_layout([len(c) for c in chunks], groups).tokens, 1))
+            return first(seqs, chunks, groups)
 
         def prefill(seq, tokens):
             self._forward(("forward", 1, len(tokens)))

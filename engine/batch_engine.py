@@ -129,13 +129,13 @@ class Engine:
             seq.kv = self.kv_store.blocks.allocate()
         if plan.decode:
             events += self._decode(plan.decode)
-        # First chunks of new sequences share right-padded forwards of similar
-        # lengths; a later chunk of a long prompt attends to its past, alone.
+        # First chunks of new sequences share one packed forward, attending in groups
+        # of similar lengths; a later chunk of a long prompt attends to its past, alone.
         first = [(s, n) for s, n in plan.prefill if s.prefilled == 0]
         later = [(s, n) for s, n in plan.prefill if s.prefilled > 0]
-        for group in pack_first_chunks([n for _, n in first], self.scheduler.max_batch_tokens,
-                                       multiple=self.runner.prefill_width_multiple):
-            events += self._prefill_first([first[i] for i in group])
+        if first:
+            events += self._prefill_first(first, pack_first_chunks(
+                [n for _, n in first], self.scheduler.max_batch_tokens, multiple=self.runner.prefill_width_multiple))
         for seq, n in later:
             events += self._prefill(seq, n)
         return events
@@ -225,12 +225,13 @@ class Engine:
         tokens = sampled.tokens.tolist()
         return [self._emit(seq, tokens[0], sampled.row_logprobs(tokens)[0])]
 
-    def _prefill_first(self, items: list[tuple[Sequence, int]]) -> list[StepEvent]:
-        """First chunks of new sequences in one forward; those whose chunk is the
-        whole context draw their first token."""
+    def _prefill_first(self, items: list[tuple[Sequence, int]],
+                       groups: list[list[int]] | None = None) -> list[StepEvent]:
+        """First chunks of new sequences in one forward (attending in ``groups``);
+        those whose chunk is the whole context draw their first token."""
         seqs = [s for s, _ in items]
         try:
-            logits = self.runner.prefill_first([s.kv for s in seqs], [s.context[:n] for s, n in items])
+            logits = self.runner.prefill_first([s.kv for s in seqs], [s.context[:n] for s, n in items], groups)
             done = [i for i, (s, n) in enumerate(items) if n == s.num_tokens]
             sampled = None
             if done:

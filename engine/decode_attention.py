@@ -46,7 +46,8 @@ def _decode_class(stock: type) -> type:
     cls = _CLASSES.get(stock)
     if cls is None:
         def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-            if x.shape[1] != 1 or not isinstance(cache, KiviLayerCache) or cache.store.use_kernel is False:
+            if (x.shape[1] != 1 or not isinstance(cache, KiviLayerCache) or cache.store.use_kernel is False
+                    or cache.packed is not None):  # packed first chunks: one row per token, not a decode step
                 return stock.__call__(self, x, mask, cache)
             return decode_forward(self, x, cache)
 

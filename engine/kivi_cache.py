@@ -10,6 +10,11 @@ other families that use the shared helper run unchanged:
 - prefill (L > 1): full-precision fused SDPA over the committed past
   (dequantized blocks + fp16 tail) and the fresh chunk; the chunk is quantized
   afterwards (DESIGN.md).
+- first chunks of new sequences, packed (``PackedPrefill``): the forward's rows
+  are their tokens one after another, one token per batch entry ([T, 1, H]), so
+  the matmuls and norms do no padding and RoPE takes each token's position as
+  its entry's offset; attention alone runs on right-padded groups, gathered
+  from those rows and scattered back.
 - decode (L == 1): the new token is committed first (flush rule applied),
   then decode attention reads the quantized blocks and the tail through the
   block tables (kernel where available, reference elsewhere). The engine's
@@ -20,15 +25,81 @@ other families that use the shared helper run unchanged:
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models import base as mlx_lm_base
 
 from kiviq.engine.block_manager import blocks_for_budget
 from kiviq.engine.kv_store import DecodeBatch, KiviStore, KVConfig, PrefillBatch, SequenceKV
 
 _stock_sdpa = mlx_lm_base.scaled_dot_product_attention
+
+
+@dataclass(eq=False)
+class AttentionGroup:
+    """First chunks that attend side by side, right-padded to ``width``: row r's
+    slots are ``index[r * width:(r + 1) * width]`` (packed rows; a padding slot
+    repeats the row's first token, which no real query sees under the causal mask)."""
+
+    index: mx.array  # [rows * width] int32
+    rows: int
+    width: int
+    attention_rows: int  # rows as attention runs them (causal_attention's ``rows``)
+
+
+@dataclass(eq=False)
+class PackedPrefill:
+    """First chunks of new sequences packed into the rows of one forward (see the
+    module docstring): chunk i's tokens are rows ``starts[i]`` onwards, rows past
+    the last chunk pad the forward to ``tokens``."""
+
+    tokens: int
+    starts: list[int]
+    positions: mx.array  # [tokens] int32: each row's RoPE position (its index in its chunk)
+    groups: list[AttentionGroup]
+    back: mx.array  # [tokens] int32: each row's output among the groups' token-major outputs
+
+
+def packed_length(n: int, multiple: int) -> int:
+    """Rows of a packed forward of ``n`` tokens: n rounded up to ``multiple``
+    (1: n itself), and above 32 multiples to a 32nd of its power of two (at most
+    1/16 more rows), so that the forward shapes a GPU meets come from a small set."""
+    if multiple <= 1:
+        return n
+    step = max(multiple, 1 << max(0, (n - 1).bit_length() - 5))
+    return -(-n // step) * step
+
+
+def pack_first_chunks_layout(lengths: list[int], groups: list[list[int]], multiple: int = 1,
+                             pow2_rows: bool = False) -> PackedPrefill:
+    """The packed forward of first chunks of ``lengths`` tokens, grouped for
+    attention by ``groups`` (indices into ``lengths``; scheduler.pack_first_chunks):
+    chunks in group order, each group's attention as wide as its longest chunk
+    rounded up to ``multiple``, on a power-of-two number of rows with ``pow2_rows``."""
+    starts, t = [0] * len(lengths), 0
+    for group in groups:
+        for i in group:
+            starts[i], t = t, t + lengths[i]
+    total = packed_length(t, multiple)
+    positions = np.zeros(total, np.int32)
+    back = np.zeros(total, np.int32)
+    out, attention = 0, []
+    for group in groups:
+        width = -(-max(lengths[i] for i in group) // multiple) * multiple
+        index = np.empty((len(group), width), np.int32)
+        for r, i in enumerate(group):
+            s, n = starts[i], lengths[i]
+            index[r, :n] = np.arange(s, s + n)
+            index[r, n:] = s
+            positions[s:s + n] = np.arange(n)
+            back[s:s + n] = np.arange(out + r * width, out + r * width + n)
+        out += len(group) * width
+        rows = 1 << (len(group) - 1).bit_length() if pow2_rows else len(group)
+        attention.append(AttentionGroup(mx.array(index.reshape(-1)), len(group), width, rows))
+    return PackedPrefill(total, starts, mx.array(positions), attention, mx.array(back))
 
 
 class KiviLayerCache:
@@ -40,15 +111,17 @@ class KiviLayerCache:
 
     def __init__(self, store: KiviStore, layer: int, seqs: list[SequenceKV], *,
                  batch: DecodeBatch | None = None, prefill: PrefillBatch | None = None,
-                 attention_rows: int | None = None, attention_multiple: int = 1):
+                 packed: PackedPrefill | None = None, attention_multiple: int = 1):
         self.store, self.layer, self.seqs = store, layer, seqs
-        # Prefill attention shapes (causal_attention): a first-chunk forward's rows
-        # padded to attention_rows, a later chunk's length to a multiple.
-        self.attention_rows, self.attention_multiple = attention_rows, attention_multiple
+        # A later chunk's attention length padded to a multiple (causal_attention).
+        self.attention_multiple = attention_multiple
         # A decode step prepared for every layer at once (its seqs are `seqs`).
         self.batch = batch
-        # First chunks of new sequences in one right-padded forward, likewise.
-        self.prefill = prefill
+        # First chunks of new sequences packed into one forward (both or neither):
+        # the store's write indices and the rows' layout, likewise for every layer.
+        if (prefill is None) != (packed is None):
+            raise ValueError("first chunks need both the store's PrefillBatch and their PackedPrefill")
+        self.prefill, self.packed = prefill, packed
         self._pending: tuple[mx.array, mx.array] | None = None
 
     @property
@@ -56,8 +129,8 @@ class KiviLayerCache:
         """Committed tokens (the RoPE offset); per sequence when batched."""
         if self.batch is not None:
             return self.batch.offsets
-        if self.prefill is not None:
-            return 0
+        if self.packed is not None:
+            return self.packed.positions
         g = self.store.config.group_size
         offsets = [s.offset(self.layer, g) for s in self.seqs]
         return offsets[0] if len(offsets) == 1 else mx.array(offsets)
@@ -93,6 +166,9 @@ class KiviLayerCache:
         if rotate is not None and not rotated:
             queries, keys, values = (rotate(x) for x in (queries, keys, values))
         self._pending = None
+        if self.packed is not None:
+            out = self._packed_attend(queries, keys, values, scale)
+            return out if rotate is None else rotate(out)
         if queries.shape[2] == 1:
             batch = self.batch or self.store.begin_decode(self.seqs, self.layer)
             # As the model made them ([B, H, 1, D]): no per-layer reshape nodes; the
@@ -103,14 +179,7 @@ class KiviLayerCache:
 
     def _prefill_attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
         """A prefill chunk's attention (L > 1), in the store's basis."""
-        b = queries.shape[0]
-        if self.prefill is not None:
-            # First chunks attend to themselves only; with padding only after each
-            # chunk, the causal mask alone keeps every real token from seeing it.
-            out = causal_attention(queries, keys, values, scale, rows=self.attention_rows)
-            self.store.write_prefill(self.layer, self.prefill, keys, values)
-            return out
-        if b != 1:
+        if queries.shape[0] != 1:
             raise ValueError("a batched prefill takes first chunks of new sequences (KiviStore.begin_prefill)")
         seq = self.seqs[0]
         if seq.offset(self.layer, 1) == 0:  # first chunk: attends to itself only
@@ -125,6 +194,24 @@ class KiviLayerCache:
             return out
         self.store.append(self.layer, seq, keys[0], values[0])
         return out
+
+    def _packed_attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+        """Packed first chunks ([T, H, 1, D]: a row per token): each attention group
+        gathered into its right-padded rows, attending causally to itself only, its
+        output scattered back to the rows; the keys and values written by the
+        store's indices (the forward's token-major rows are the packed rows)."""
+        t, d = queries.shape[0], queries.shape[3]
+        q, k, v = (x.reshape(t, x.shape[1], d) for x in (queries, keys, values))
+        outs = []
+        for g in self.packed.groups:
+            def padded(x, g=g):
+                return x[g.index].reshape(g.rows, g.width, x.shape[1], d).transpose(0, 2, 1, 3)
+
+            out = causal_attention(padded(q), padded(k), padded(v), scale, rows=g.attention_rows)
+            outs.append(out.transpose(0, 2, 1, 3).reshape(g.rows * g.width, -1, d))
+        self.store.write_prefill(self.layer, self.prefill, k[None].swapaxes(1, 2), v[None].swapaxes(1, 2))
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
+        return out[self.packed.back][:, :, None]
 
     @property
     def nbytes(self) -> int:

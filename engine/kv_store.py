@@ -68,18 +68,17 @@ class DecodeBatch:
 
 @dataclass(eq=False, slots=True)
 class PrefillBatch:
-    """The first chunks of new sequences, right-padded to one width L and run in
-    one forward: where each real token goes, the same in every layer (built by
-    ``KiviStore.begin_prefill``; int arrays int32, token indices into the
-    forward's [B * L] token-major rows).
+    """The first chunks of new sequences run in one forward: where each real token
+    goes, the same in every layer (built by ``KiviStore.begin_prefill``; int arrays
+    int32, token indices into the forward's token-major rows).
 
     Each chunk of n tokens follows the flush rule at once: its first
     ``blocks_needed(n) * G`` tokens become quantized blocks, the rest the tail.
     """
 
     seqs: list[SequenceKV]
-    lengths: list[int]  # real tokens per row
-    width: int  # L
+    lengths: list[int]  # tokens per chunk
+    starts: list[int]  # each chunk's first token among the forward's token-major rows
     block_first: mx.array | None  # [N]: the first token of each of the N new blocks
     block_ids: mx.array | None  # [N]: their pool blocks
     tail_src: mx.array | None  # [M]: the tokens that stay in a tail
@@ -154,6 +153,12 @@ class KiviStore:
         # A flush was left running on the device (its kernels still reference the
         # pools): scatters into the pools must wait for it, or MLX copies the arrays.
         self._unsettled = False
+
+    @property
+    def tails_written_in_place(self) -> bool:
+        """Whether the last decode step's attention wrote the new tokens into the
+        tails itself, in place (the CUDA kernel), rather than by scatters."""
+        return self._kernel_writes_tails
 
     def used_bytes(self) -> int:
         """Bytes of blocks and tails owned by sequences (the worker's KV metrics)."""
@@ -247,11 +252,12 @@ class KiviStore:
         seq.blocks_used[layer] = first + n_flush
         seq.tail_lens[layer] = total - cut
 
-    def begin_prefill(self, seqs: list[SequenceKV], lengths: list[int], width: int) -> PrefillBatch:
+    def begin_prefill(self, seqs: list[SequenceKV], lengths: list[int], starts: list[int]) -> PrefillBatch:
         """Prepare one forward over the first chunks of new sequences (``lengths``
-        real tokens each, right-padded to ``width``): blocks are allocated, the
-        write indices of every layer built once, and the sequences' bookkeeping
-        advanced to the chunk's end (``write_prefill`` then writes each layer).
+        tokens each, chunk i's tokens at ``starts[i]`` onwards among the forward's
+        token-major rows): blocks are allocated, the write indices of every layer
+        built once, and the sequences' bookkeeping advanced to the chunk's end
+        (``write_prefill`` then writes each layer).
 
         Prefill this way needs no host sync inside the forward: nothing reads
         the pools (a first chunk attends to itself), so every write is a scatter
@@ -262,9 +268,8 @@ class KiviStore:
             raise ValueError("begin_prefill takes first chunks of new sequences")
         self._settle()
         block_first, block_ids, tail_src, tail_slot, tail_pos = [], [], [], [], []
-        for row, (seq, n) in enumerate(zip(seqs, lengths)):
+        for seq, n, base in zip(seqs, lengths, starts):
             nb = self.blocks.blocks_needed(n)
-            base = row * width
             block_ids += [self.blocks.block(seq, j) for j in range(nb)]
             block_first += range(base, base + nb * g, g)
             tail_src += range(base + nb * g, base + n)
@@ -278,13 +283,13 @@ class KiviStore:
             a = mx.array(values, dtype=mx.int32)
             return a[:, None] if column else a
 
-        return PrefillBatch(seqs, list(lengths), width, ints(block_first), ints(block_ids), ints(tail_src),
+        return PrefillBatch(seqs, list(lengths), list(starts), ints(block_first), ints(block_ids), ints(tail_src),
                             ints(tail_slot, True), ints(tail_pos, True))
 
     def write_prefill(self, layer: int, batch: PrefillBatch, k: mx.array, v: mx.array) -> None:
         """Commit one layer's keys and values of a prefill forward, k, v
-        [B, H_kv, L, D] as the model made them, by ``batch``'s indices: all new
-        blocks in one write (`_write_blocks`), one scatter per tail."""
+        [B, H_kv, L, D] (token b * L + l at [b, :, l]), by ``batch``'s indices: all
+        new blocks in one write (`_write_blocks`), one scatter per tail."""
         pool = self.pools[layer]
         h, d = k.shape[1], k.shape[3]
         if batch.block_ids is not None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from kiviq.engine.compiled_decode import CompiledDecode
-from kiviq.engine.kivi_cache import AttentionHook, KiviLayerCache
+from kiviq.engine.kivi_cache import AttentionHook, KiviLayerCache, PackedPrefill, pack_first_chunks_layout
 from kiviq.engine.kv_store import KiviStore, SequenceKV
 
 
@@ -32,10 +33,11 @@ def vocabulary_projection(model: nn.Module):
 
 
 # On a GPU MLX builds a cuDNN attention graph per attention shape (~45 ms of host time on an
-# H200, while the device waits) and keeps the last 256, so prefill attention runs on
-# shapes from a small set that repeats: forwards of first chunks are padded to a
-# multiple of PREFILL_WIDTH_MULTIPLE tokens (at most 63 a row, through the whole
-# model) and their attention to a power-of-two number of rows; a prompt split across
+# H200, while the device waits) and keeps the last 256, and a forward of a new shape
+# costs ~20-30 ms of host time more, so prefill runs on shapes from a small set that
+# repeats: the attention of a group of first chunks is padded to a multiple of
+# PREFILL_WIDTH_MULTIPLE tokens and a power-of-two number of rows, the packed forward
+# they share to a few lengths (kivi_cache.packed_length); a prompt split across
 # steps is cut after a multiple of PREFILL_CHUNK_MULTIPLE tokens, and a later chunk's
 # attention is padded to such a multiple (kivi_cache.causal_attention).
 PREFILL_WIDTH_MULTIPLE = 64
@@ -70,26 +72,33 @@ class ModelRunner:
             hidden = self.trunk(mx.array(tokens)[None], caches)
         return self.head(hidden[0, -1:])[0]
 
-    def prefill_first(self, seqs: list[SequenceKV], chunks: list[list[int]]) -> mx.array:
-        """The first chunks of new sequences in one forward, right-padded to the
-        longest; their keys and values go into the store as each layer makes them
-        (``KiviStore.begin_prefill``).
+    def prefill_layout(self, lengths: list[int], groups: list[list[int]] | None = None) -> PackedPrefill:
+        """The packed forward of first chunks of ``lengths`` tokens whose attention
+        runs in ``groups`` (default: one group), padded as this device wants."""
+        return pack_first_chunks_layout(lengths, groups or [list(range(len(lengths)))],
+                                        self.prefill_width_multiple, pow2_rows=self.prefill_chunk_multiple > 1)
+
+    def prefill_first(self, seqs: list[SequenceKV], chunks: list[list[int]],
+                      groups: list[list[int]] | None = None) -> mx.array:
+        """The first chunks of new sequences in one packed forward (no padding
+        between them; kivi_cache.PackedPrefill), attending in ``groups`` of similar
+        lengths (scheduler.pack_first_chunks; default: all in one); their keys and
+        values go into the store as each layer makes them (``KiviStore.begin_prefill``).
 
         Returns:
             [B, V] logits after each chunk's last token.
         """
         lengths = [len(c) for c in chunks]
-        m = self.prefill_width_multiple
-        width = -(-max(lengths) // m) * m
-        batch = self.store.begin_prefill(seqs, lengths, width)
-        tokens = mx.array([c + [0] * (width - len(c)) for c in chunks])
-        # Attention on a power-of-two number of rows where attention shapes are bucketed.
-        rows = len(seqs) if self.prefill_chunk_multiple == 1 else 1 << (len(seqs) - 1).bit_length()
-        caches = [KiviLayerCache(self.store, layer, seqs, prefill=batch, attention_rows=rows)
+        layout = self.prefill_layout(lengths, groups)
+        batch = self.store.begin_prefill(seqs, lengths, layout.starts)
+        tokens = np.zeros(layout.tokens, np.int32)
+        for chunk, start in zip(chunks, layout.starts):
+            tokens[start:start + len(chunk)] = chunk
+        caches = [KiviLayerCache(self.store, layer, seqs, prefill=batch, packed=layout)
                   for layer in range(self.store.num_layers)]
         with self.store.forward_writes(), self.attention:
-            hidden = self.trunk(tokens, caches)
-        last = hidden[mx.arange(len(chunks)), mx.array(lengths) - 1]
+            hidden = self.trunk(mx.array(tokens)[:, None], caches)  # a row per token: [T, 1, H]
+        last = hidden[mx.array([s + n - 1 for s, n in zip(layout.starts, lengths)]), 0]
         return self.head(last)
 
     def trunk(self, tokens: mx.array, caches: list[KiviLayerCache]) -> mx.array:

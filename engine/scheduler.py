@@ -20,6 +20,11 @@ from typing import Protocol
 
 from kiviq.engine.sequence import Sequence, Status
 
+# The share of a step's prefill budget left unused rather than split a prompt that
+# fits the next step whole: a split costs two new shapes on a GPU (a partial first
+# chunk, and a later chunk over its quantized past) and two passes over that prompt.
+SPLIT_WASTE = 0.125
+
 
 class Allocator(Protocol):
     free_blocks: int
@@ -137,12 +142,15 @@ class Scheduler:
             plan.admit.append(seq)
             free_blocks -= a.blocks_needed(seq.num_tokens)
             free_slots -= 1
+        step_budget = budget
         for seq in self.prefilling:
             if budget <= 0:
                 break
             left = seq.num_tokens - seq.prefilled
             n = min(budget, left)
             if n < left:  # a split: it ends on a multiple, and ends the step's prefill
+                if plan.prefill and left <= step_budget and budget <= step_budget * SPLIT_WASTE:
+                    break  # a few tokens unused beat a split prompt's two new shapes
                 if n >= self.chunk_multiple:
                     n -= n % self.chunk_multiple
                 elif plan.prefill:  # what others left is less than a multiple: next step
@@ -173,15 +181,17 @@ class Scheduler:
 
 def pack_first_chunks(lengths: list[int], max_tokens: int, max_waste: float = 0.125,
                       multiple: int = 1) -> list[list[int]]:
-    """Group first prefill chunks (of ``lengths`` tokens) into right-padded
-    forwards: indices into ``lengths``, longest first.
+    """Group first prefill chunks (of ``lengths`` tokens) for attention: indices
+    into ``lengths``, longest first. The chunks share one packed forward without
+    padding (kivi_cache.PackedPrefill); each group's attention runs on its chunks
+    right-padded to one width.
 
-    A forward is as wide as its longest chunk, rounded up to ``multiple``; it
+    A group is as wide as its longest chunk, rounded up to ``multiple``; it
     takes chunks while its padded size stays within ``max_tokens`` (a chunk
     longer than that goes alone) and the padding its rows would not have alone
-    within ``max_waste`` of that size. Sorting by length keeps similar lengths together, so a bulk run of
-    similar prompts pads little, and its forwards are mostly full: the same
-    (rows, width) shapes again and again.
+    within ``max_waste`` of that size. Sorting by length keeps similar lengths
+    together, so a bulk run of similar prompts pads little, and its groups are
+    mostly full: the same (rows, width) attention shapes again and again.
     """
     def rounded(n: int) -> int:
         return -(-n // multiple) * multiple

@@ -441,7 +441,7 @@ def test_in_place_block_writes_run_with_the_step_before_any_read_and_die_with_a_
     assert id(dones[0]) in evaluated and store.pending()[1] == []
 
     other = store.blocks.allocate()
-    batch = store.begin_prefill([other], [r + g], r + g)
+    batch = store.begin_prefill([other], [r + g], [0])
     for layer in range(2):
         x = mx.random.normal((1, H_KV, r + g, D))
         store.write_prefill(layer, batch, x, x)

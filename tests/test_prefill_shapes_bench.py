@@ -1,6 +1,7 @@
 """benchmarks/prefill_shapes.py records the shapes the GPU would meet: first chunks
-padded to a multiple of 64 wide and to a power of two of rows in attention, and the
-same prompts again meet nothing new; and the steps and forward tokens they took."""
+packed into one forward, their attention padded to a multiple of 64 wide and to a
+power of two of rows, and the same prompts again meet nothing new; and the steps
+and forward tokens they took."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import prefill_shapes  # noqa: E402
+from kiviq.engine.kivi_cache import packed_length  # noqa: E402
 
 
 def test_a_group_of_first_chunks_is_recorded_with_the_gpus_padding_and_repeats_meet_nothing_new():
@@ -21,10 +23,11 @@ def test_a_group_of_first_chunks_is_recorded_with_the_gpus_padding_and_repeats_m
     with prefill_shapes.ShapeLog(engine) as log:
         log.phase = "a"
         steps, prompt_tokens = prefill_shapes.run_workload(engine, random.Random(1), jobs=3, tokens=100, tag="a")
-        assert log.shapes["a"] == {("forward", 3, 128), ("attention", 4, 128, 128)}
+        packed = packed_length(prompt_tokens, 64)  # one packed forward, its rows padded to a few lengths
+        assert log.shapes["a"] == {("forward", packed, 1), ("attention", 4, 128, 128)}
         assert log.forwards["a"] == 1
         assert steps == 1 and 270 <= prompt_tokens <= 330
-        assert log.tokens["a"] == 3 * 128  # padding included
+        assert log.tokens["a"] == packed == 320  # padding included
         log.phase = "b"
         prefill_shapes.run_workload(engine, random.Random(1), jobs=3, tokens=100, tag="b")
         assert log.shapes["b"] == log.shapes["a"]

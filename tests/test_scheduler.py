@@ -120,3 +120,27 @@ def test_a_split_prompt_is_cut_at_the_chunk_multiple():
     s.add(sequence(3, 900))
     s.add(sequence(4, 3000))
     assert [n for _, n in s.schedule().prefill] == [900]
+
+
+def test_a_prompt_that_fits_the_next_step_whole_is_not_split_for_a_few_tokens():
+    """Up to SPLIT_WASTE of a step's budget is left unused rather than split a prompt
+    that the next step takes whole; a larger remainder is still filled by a split."""
+    s = Scheduler(Roomy(), max_batch_tokens=1024, chunk_multiple=1)
+    first, second = sequence(0, 950), sequence(1, 500)
+    s.add(first)
+    s.add(second)
+    plan = s.schedule()
+    assert plan.prefill == [(first, 950)]  # 74 left (<= 128): not split
+    run_prefill(s, plan)
+    assert s.schedule().prefill == [(second, 500)]
+    s = Scheduler(Roomy(), max_batch_tokens=1024, chunk_multiple=1)
+    first, second = sequence(0, 600), sequence(1, 700)
+    s.add(first)
+    s.add(second)
+    assert s.schedule().prefill == [(first, 600), (second, 424)]  # 424 left: split
+    # A prompt longer than a whole step is split whatever is left.
+    s = Scheduler(Roomy(), max_batch_tokens=1024, chunk_multiple=1)
+    first, second = sequence(0, 950), sequence(1, 5000)
+    s.add(first)
+    s.add(second)
+    assert s.schedule().prefill == [(first, 950), (second, 74)]

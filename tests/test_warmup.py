@@ -51,10 +51,11 @@ def test_warm_up_on_a_gpu_also_meets_a_full_step_and_a_later_chunk(smollm2):
     runner, firsts, chunks, widths = engine.runner, [], [], []
     prefill_first, prefill = runner.prefill_first, runner.prefill
 
-    def logged_first(seqs, batch):
+    def logged_first(seqs, batch, groups=None):
         firsts.append(sum(map(len, batch)))
-        widths.append(-(-max(map(len, batch)) // 64) * 64)
-        return prefill_first(seqs, batch)
+        for group in groups or [range(len(batch))]:  # each group's attention width
+            widths.append(-(-max(len(batch[i]) for i in group) // 64) * 64)
+        return prefill_first(seqs, batch, groups)
 
     def logged_chunk(seq, tokens):
         chunks.append(len(tokens))
