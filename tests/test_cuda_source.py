@@ -23,7 +23,7 @@ from kiviq.kernels.launch import MMA_BLOCKS_PER_SM, POOL_NAMES, WARPS
 SOURCES = {"split_mma": read("cuda/attend_split_mma.cu"), "split": read("cuda/attend_split.cu"),
            "merge": read("cuda/attend_merge.cu"), "flush": read("cuda/flush_quantize.cu"),
            "flush_fused": read("cuda/flush_fused.cu"), "qk_rope": read("cuda/qk_rope.cu"),
-           "write_blocks": read("cuda/write_blocks.cu")}
+           "write_blocks": read("cuda/write_blocks.cu"), "add_rms_norm": read("cuda/add_rms_norm.cu")}
 NAME = re.compile(r"\b(?:kivi|KIVI)_\w+")
 
 
@@ -84,7 +84,7 @@ def test_kernel_header_defines_everything_the_kernel_reaches(kernel):
 def test_every_kernel_source_file_is_tested():
     assert {p.name for p in (SOURCE_DIR / "cuda").glob("*.cu")} == {
         "attend_split_mma.cu", "attend_split.cu", "attend_merge.cu", "flush_quantize.cu", "flush_fused.cu",
-        "qk_rope.cu", "write_blocks.cu"}
+        "qk_rope.cu", "write_blocks.cu", "add_rms_norm.cu"}
 
 
 def test_merge_and_flush_leave_the_split_machinery_out():
@@ -130,6 +130,11 @@ def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
                      ("params", f32)],
          [("q", mx.float16), ("k", mx.float16), ("v", mx.float16)],
          [("T", mx.float16), ("D", 64), ("HQ", 9), ("HKV", 3), ("NORM", 0), ("ROTATE", 1)]),
+        ("add_rms_norm", [("x", bf), ("r", bf), ("w", bf)], [("h", bf), ("y", bf)],
+         [("T", bf), ("N", 2560), ("BLOCK", 64), ("CHUNKS", 5), ("EPS_BITS", 897988541)]),
+        ("add_rms_norm", [("x", mx.float16), ("r", mx.float16), ("w", mx.float16)],
+         [("h", mx.float16), ("y", mx.float16)],
+         [("T", mx.float16), ("N", 576), ("BLOCK", 128), ("CHUNKS", 1), ("EPS_BITS", 897988541)]),
     ]
 
     def ptx(i: int, pruned: bool) -> list[str]:

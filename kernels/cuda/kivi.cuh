@@ -117,6 +117,18 @@ template <> __device__ __forceinline__ uint32_t kivi_pack2f<__nv_bfloat16>(float
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// 8 fp16/bf16 values plus 8 others, each sum rounded once to SD: MLX's add (SD + SD).
+template <typename SD>
+__device__ __forceinline__ uint4 kivi_add8(const uint4 a, const uint4 b) {
+  uint4 o;
+  const SD* x = reinterpret_cast<const SD*>(&a);
+  const SD* y = reinterpret_cast<const SD*>(&b);
+  SD* z = reinterpret_cast<SD*>(&o);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) z[k] = __hadd(x[k], y[k]);
+  return o;
+}
+
 // A row of D values (D = 64 or 128) held by a warp's first D / 8 lanes, 8 each (lane l:
 // values 8l .. 8l+7, as floats that SD holds exactly), times the normalized
 // Sylvester-Hadamard matrix, in place, exactly as MLX 0.32's CUDA hadamard_transform
