@@ -106,3 +106,11 @@ def test_other_tokenizers_keep_mlx_lms_detokenizer(smollm2):
     assert isinstance(d, NaiveStreamingDetokenizer)
     ids = tokenizer.encode(TEXTS[0], add_special_tokens=False)
     assert "".join(stream(naive, ids)) == TEXTS[0]
+
+
+def test_the_token_for_byte_zero_decodes_as_the_tokenizer_decodes_it(smollm2):
+    """GPT-2's byte-level spelling writes byte 0 as "Ā"; mlx-lm's BPE detokenizer kept
+    the letter, ``tokenizer.decode`` gives U+0000."""
+    _, tokenizer = smollm2
+    zero = tokenizer.convert_tokens_to_ids("\u0100")
+    assert "".join(stream(tokenizer, [zero])) == tokenizer.decode([zero]) == "\x00"
