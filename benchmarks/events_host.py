@@ -56,13 +56,11 @@ def child(args) -> dict:
     for i in range(b):
         engine.add(Request(str(i), text[i * 7:i * 7 + 64], args.warmup + args.steps + 10))
     emit, schedule = engine._emit_sampled, engine.scheduler.schedule
-    position = [0]
     times = {"schedule": [], "events": []}
     texts = {str(i): [] for i in range(b)}
 
     def timed_emit(seqs, sampled):
-        n = position[0]
-        position[0] += 1
+        n = len(times["events"])  # this decode step's index
         sampled.tokens = mx.array([text[(n + 97 * i) % len(text)] for i in range(len(seqs))], dtype=mx.uint32)
         mx.eval(sampled.tokens)
         t = time.perf_counter()
