@@ -219,3 +219,35 @@ def run_in_trees(script: str, trees: list[str] | None, processes: int) -> dict[s
                 with open(path) as f:
                     results.setdefault(name, []).append(json.load(f))
     return results
+
+
+def module_at(rev: str, path: str):
+    """The module at ``path`` (e.g. engine/sampler.py) as of git revision ``rev``,
+    imported under a name of its own, beside this tree's. Raises
+    subprocess.CalledProcessError when git cannot show it."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True,
+                          capture_output=True, text=True).stdout
+    name = os.path.splitext(os.path.basename(path))[0] + "_at_rev"
+    file = os.path.join(tempfile.mkdtemp(), name + ".py")
+    with open(file, "w") as f:
+        f.write(text)
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def revision_arms(this_module, rev: str | None, path: str) -> dict:
+    """{"this tree": this_module} and, with ``rev``, that revision's module at ``path``
+    (``module_at``); a revision git cannot show ends the program with one line."""
+    modules = {"this tree": this_module}
+    if rev:
+        try:
+            modules[rev] = module_at(rev, path)
+        except subprocess.CalledProcessError as e:
+            sys.exit(f"--rev {rev}: git show failed ({e.stderr.strip()}); give a revision of this repository")
+    return modules

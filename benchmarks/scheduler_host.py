@@ -14,22 +14,18 @@ each on its own copy of the same sequences.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import table  # noqa: E402
+from benchmarks.common import revision_arms, table  # noqa: E402
 from kiviq.engine import scheduler as this_scheduler  # noqa: E402
 from kiviq.engine.request import Request  # noqa: E402
 from kiviq.engine.sequence import Sequence, Status  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class _Blocks:
@@ -63,20 +59,6 @@ def scheduler_of(module, batch: int, context: int):
     return s
 
 
-def module_at(rev: str):
-    """engine/scheduler.py as of git revision `rev`, imported under a name of its own."""
-    text = subprocess.run(["git", "show", f"{rev}:engine/scheduler.py"], cwd=ROOT, check=True,
-                          capture_output=True, text=True).stdout
-    path = os.path.join(tempfile.mkdtemp(), "scheduler_at_rev.py")
-    with open(path, "w") as f:
-        f.write(text)
-    spec = importlib.util.spec_from_file_location("scheduler_at_rev", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, nargs="+", default=[32, 128])
@@ -85,12 +67,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--calls", type=int, default=200, help="schedule() calls per arm per round")
     a = p.parse_args()
-    modules = {"this tree": this_scheduler}
-    if a.rev:
-        try:
-            modules[a.rev] = module_at(a.rev)
-        except subprocess.CalledProcessError as e:
-            sys.exit(f"--rev {a.rev}: git show failed ({e.stderr.strip()}); give a revision of this repository")
+    modules = revision_arms(this_scheduler, a.rev, "engine/scheduler.py")
     rows = []
     for batch in a.batch:
         arms = {name: scheduler_of(m, batch, a.context) for name, m in modules.items()}
