@@ -317,6 +317,42 @@ def test_worker_crash_keeps_its_traceback(dead_url):
     assert proc.stderr.strip().splitlines()[-1] == "kiviq worker: error: KeyError: 'boom'"
 
 
+OUT_OF_MEMORY_AT_START = """
+import sys
+from types import SimpleNamespace
+import kiviq.engine
+import kiviq.engine.warmup
+from kiviq.engine.config import EngineConfig
+OOM = RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+kiviq.engine.load = lambda *a, **k: (SimpleNamespace(args=SimpleNamespace(vocab_size=100)), object())
+def build_engine(lm, tokenizer, config):
+    if sys.argv[1] == "store":
+        raise OOM
+    return SimpleNamespace(config=EngineConfig(max_batch_tokens=16384),
+                           kv_store=SimpleNamespace(budget_bytes=lambda: 10 << 30))
+def warm_up(engine, vocab):
+    raise RuntimeError(f"warm-up request failed: RuntimeError: {OOM}")
+kiviq.engine.build_engine = build_engine
+kiviq.engine.warmup.warm_up = warm_up
+from kiviq.worker.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("where, says", [
+    ("store", "out of device memory allocating the KV store (--kv-memory 3.0 GiB): "),
+    ("warm-up", "out of device memory in the warm-up (steps of up to 16384 tokens, --max-batch-tokens; "
+                "a KV store of 10.0 GiB): "),
+])
+def test_out_of_device_memory_at_start_says_what_to_do(redis_url, where, says):
+    proc = run_process("-c", OUT_OF_MEMORY_AT_START, where, "--redis-url", redis_url, "--kv-memory", "3GiB",
+                       "--warm-up", env={"KIVIQ_OPENBLAS": "0"}, timeout=60)  # no re-exec: the patches stay
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == ("kiviq worker: error: " + says + "another process may be holding this GPU's memory "
+                    "(free it), or lower --kv-memory or --max-batch-tokens")
+
+
 def test_demo_starts_its_own_redis_unless_one_is_named(monkeypatch, capsys):
     """Without --redis-url or $REDIS_URL the demo never uses a server that merely
     answers on the default port (someone's data may live there)."""

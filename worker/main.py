@@ -16,6 +16,21 @@ from kiviq.worker.stats import StatsPublisher
 log = logging.getLogger("kiviq.worker")
 
 
+OUT_OF_MEMORY_ADVICE = ("another process may be holding this GPU's memory (free it), or lower --kv-memory "
+                        "or --max-batch-tokens")
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is a failed device allocation (CUDA: "cudaMallocAsync(...) failed:
+    out of memory"; Metal: "Insufficient Memory")."""
+    text = str(e).lower().replace(" ", "")
+    return "outofmemory" in text or "insufficientmemory" in text
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
+
+
 class StartupError(RuntimeError):
     """The worker cannot start; the message says why and what to do.
     ``status``: 2 for a bad flag value (``--model``), 1 otherwise."""
@@ -49,7 +64,8 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
 
     Raises:
         StartupError: Redis does not answer, the metrics port is taken, the
-            model cannot be loaded, or the KV flags do not fit it.
+            model cannot be loaded, the KV flags do not fit it, or the device's
+            memory does not hold the KV store or the warm-up's steps.
     """
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from kiviq.engine import build_engine, load  # heavy: mlx, mlx-lm
@@ -83,6 +99,14 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
         engine = build_engine(lm, tokenizer, config)
     except ValueError as e:  # the flags do not fit this model: G or 2r vs its head_dim, the KV budget
         raise StartupError(f"{e}; check --kv-bits / --kv-group-size / --kv-memory for this model", status=2) from e
+    except RuntimeError as e:
+        if not out_of_memory(e):
+            raise
+        from kiviq.engine.kivi_cache import default_kv_memory
+
+        budget = (f"--kv-memory {_gib(config.kv_memory)}" if config.kv_memory is not None
+                  else f"{_gib(default_kv_memory())}, a quarter of the device's memory (--kv-memory)")
+        raise StartupError(f"out of device memory allocating the KV store ({budget}): {OUT_OF_MEMORY_ADVICE}") from e
     c = getattr(engine, "config", None) or config  # the serial engine keeps none
     compiled = getattr(getattr(engine, "runner", None), "compiled", None) is not None  # on a GPU by default
     rotated = " with K and V Hadamard-rotated (2r)" if c.kv_rotate else ""
@@ -101,7 +125,14 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
         from kiviq.engine.warmup import warm_up as run_warm_up
 
         log.info("warming up (compiling kernels before taking jobs)")
-        log.info("warm-up took %.1f s", run_warm_up(engine, lm.args.vocab_size))
+        try:
+            log.info("warm-up took %.1f s", run_warm_up(engine, lm.args.vocab_size))
+        except RuntimeError as e:
+            if not out_of_memory(e):
+                raise
+            raise StartupError(f"out of device memory in the warm-up (steps of up to {c.max_batch_tokens} tokens, "
+                               f"--max-batch-tokens; a KV store of {_gib(engine.kv_store.budget_bytes())}): "
+                               f"{OUT_OF_MEMORY_ADVICE}") from e
     # The engine's config has --max-active resolved (engine.setup.default_max_sequences);
     # the serial engine keeps none and holds its own capacity.
     max_active = c.max_sequences if c.max_sequences is not None else engine.capacity
