@@ -19,6 +19,10 @@ same flags, warmed up where the worker warms up) runs the same requests, so the
 two runs of a pair meet the host at nearly the same speed; the raw engine and
 the worker hold their model and KV memory at once (on a GPU: twice the model
 and twice a quarter of device memory, unless ``--worker-arg=--kv-memory ...``).
+Not yet run to the end on an 80 GB card: on an H100 the worker ran out of memory
+at start, at the default and with ``--worker-arg=--kv-memory=10GB`` (64 jobs of
+~1.5k tokens need ~4.5 GB at 4 bits), beside the raw engine's process, whose
+warm-up had left its buffers in MLX's cache.
 
 With 4 or more CPUs (``--split-cpus``, the default) the worker runs on the
 lower half of this process's CPUs and the client processes and Redis, which
