@@ -27,7 +27,6 @@ from kiviq.engine.request import Request  # noqa: E402
 from kiviq.engine.sequence import Sequence, Status  # noqa: E402
 
 
-
 class _Blocks:
     """The engine's block allocator as the scheduler sees it (its arithmetic, room for all)."""
 

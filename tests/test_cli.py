@@ -340,7 +340,7 @@ sys.exit(main(sys.argv[2:]))
 
 
 @pytest.mark.parametrize("where, says", [
-    ("store", "out of device memory allocating the KV store (--kv-memory 3.0 GiB): "),
+    ("store", "out of device memory setting up the engine (its KV store: --kv-memory 3.0 GiB): "),
     ("warm-up", "out of device memory in the warm-up (steps of up to 16384 tokens, --max-batch-tokens; "
                 "a KV store of 10.0 GiB): "),
 ])

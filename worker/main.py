@@ -106,7 +106,8 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
 
         budget = (f"--kv-memory {_gib(config.kv_memory)}" if config.kv_memory is not None
                   else f"{_gib(default_kv_memory())}, a quarter of the device's memory (--kv-memory)")
-        raise StartupError(f"out of device memory allocating the KV store ({budget}): {OUT_OF_MEMORY_ADVICE}") from e
+        raise StartupError(f"out of device memory setting up the engine (its KV store: {budget}): "
+                           f"{OUT_OF_MEMORY_ADVICE}") from e
     c = getattr(engine, "config", None) or config  # the serial engine keeps none
     compiled = getattr(getattr(engine, "runner", None), "compiled", None) is not None  # on a GPU by default
     rotated = " with K and V Hadamard-rotated (2r)" if c.kv_rotate else ""
