@@ -315,6 +315,42 @@ def test_request_too_large_for_store_fails_alone(smollm2):
     assert out["small"][0] in ("stop", "length")
 
 
+def test_a_failed_decode_step_ends_its_batch_and_the_engine_serves_on(smollm2):
+    """A decode step that raises (a device error: nobody's fault in particular) ends
+    every sequence of its batch with the error, after the tokens of the step that was
+    in flight; their memory is freed and the next requests run as on a fresh engine."""
+    model, tok = smollm2
+    ps = prompts(tok, 3)
+    reqs = lambda: [Request(f"r{i}", ps[i], max_tokens=12) for i in range(3)]
+    undisturbed = run(make_engine(model, tok), reqs())
+    engine = make_engine(model, tok)  # pipelined: a step is in flight when the next one fails
+    got = {r.request_id: [] for r in reqs()}
+    for r in reqs():
+        engine.add(r)
+    while engine.stats["pipelined_steps"] < 3:
+        for ev in engine.step():
+            assert ev.finish_reason is None, ev
+            got[ev.request_id] += ev.token_ids
+    decode = engine.runner.decode
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    engine.runner.decode = lost
+    events = engine.step()
+    ends = {ev.request_id: ev for ev in events if ev.finish_reason}
+    assert sum(1 for ev in events if ev.token_ids and not ev.finish_reason) == 3  # the step in flight
+    for ev in events:
+        got[ev.request_id] += ev.token_ids
+    assert set(ends) == set(got) and all(e.finish_reason == "error" and e.error == "RuntimeError: device lost"
+                                         for e in ends.values())
+    assert all(len(t) > 3 and t == undisturbed[rid][:len(t)] for rid, t in got.items())  # the in-flight step's too
+    assert not engine.has_work() and engine.kv_store.blocks.used_bytes() == 0
+    engine.runner.decode = decode
+    again = Request("again", ps[1], max_tokens=12)
+    assert run(engine, [again])["again"] == run(make_engine(model, tok), [again])["again"]
+
+
 def run_with_logprobs(engine, requests) -> dict[str, tuple[list[int], list | None]]:
     """Like engine_runs.run_engine, keeping each request's logprobs (None for
     requests whose events carry none)."""
