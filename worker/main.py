@@ -105,7 +105,7 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
         from kiviq.engine.kivi_cache import default_kv_memory
 
         budget = (f"--kv-memory {_gib(config.kv_memory)}" if config.kv_memory is not None
-                  else f"{_gib(default_kv_memory())}, a quarter of the device's memory (--kv-memory)")
+                  else f"{_gib(default_kv_memory())}, the default for this device (--kv-memory)")
         raise StartupError(f"out of device memory setting up the engine (its KV store: {budget}): "
                            f"{OUT_OF_MEMORY_ADVICE}") from e
     c = getattr(engine, "config", None) or config  # the serial engine keeps none
