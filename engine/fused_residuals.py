@@ -83,6 +83,12 @@ def fused_forward(trunk: nn.Module, inputs: mx.array, cache: list, add_norm: Cal
     return x
 
 
+def _norm_eps(trunk: nn.Module) -> list[float]:
+    """The distinct eps of the norms the fused path replaces, in order of first use."""
+    norms = [n for layer in trunk.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    return list(dict.fromkeys(n.eps for n in norms + [trunk.norm]))
+
+
 def install_fused_residuals(model: nn.Module, add_norm: Callable | None = None) -> bool:
     """Give ``model``'s trunk the fused decode path. ``add_norm(x, r, weight, eps)`` ->
     (x + r, its RMSNorm): default ``kernels.add_rms_norm`` (CUDA only; a test passes
@@ -99,7 +105,9 @@ def install_fused_residuals(model: nn.Module, add_norm: Callable | None = None) 
         size, dtype = trunk.norm.weight.shape[0], model_dtype(model)
         if not supported(size, dtype):
             return False
-        reason = check(size, dtype)  # never other tokens: any bit that differs keeps the stock ops
+        # Never other tokens: any bit that differs, at any eps the model's norms use
+        # (Qwen3 1e-6, Llama 1e-5), keeps the stock ops.
+        reason = next((r for r in (check(size, dtype, eps) for eps in _norm_eps(trunk)) if r is not None), None)
         if reason is not None:
             log.warning("fused residual adds disabled, using the stock ops: %s", reason)
             return False

@@ -25,32 +25,61 @@ from kiviq.engine.request import SamplingParams, TokenLogprob
 
 @dataclass
 class RowState:
-    """Sampling state of one sequence."""
+    """Sampling state of one sequence.
+
+    A seeded row's PRNG key is row ``at`` of ``keys``: after a step every seeded
+    row of the batch points into the one array of keys that step split, so the
+    next step uses that array as it is instead of stacking a key per row.
+    """
 
     params: SamplingParams
-    key: mx.array | None  # PRNG key for seeded requests
     history: list[int]  # prompt + generated tokens (repetition penalty)
+    keys: mx.array | None = None  # [N, 2] uint32 keys; None: unseeded
+    at: int = 0
 
     @classmethod
     def create(cls, params: SamplingParams, prompt: list[int]) -> "RowState":
-        key = mx.random.key(params.seed) if params.seed is not None else None
-        return cls(params, key, list(prompt))
+        keys = mx.random.key(params.seed)[None] if params.seed is not None else None
+        return cls(params, list(prompt), keys)
+
+    @property
+    def key(self) -> mx.array | None:
+        """This row's current PRNG key (None when unseeded)."""
+        return None if self.keys is None else self.keys[self.at]
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k, top-p or min-p may cut this row's distribution."""
+        p = self.params
+        return not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
 
 
-def apply_repetition_penalty(logits: mx.array, history: list[int], penalty: float, window: int = 20) -> mx.array:
-    """CTRL-style penalty over the last ``window`` tokens (as mlx-lm does)."""
-    if not history:
-        return logits
-    idx = mx.array(sorted(set(history[-window:])))
-    picked = logits[idx]
-    logits[idx] = mx.where(picked < 0, picked * penalty, picked / penalty)
-    return logits
+PENALTY_WINDOW = 20  # tokens of history a repetition penalty looks at (as mlx-lm)
+
+
+def _penalize(logits: mx.array, rows: list[RowState]) -> mx.array:
+    """CTRL-style repetition penalty (as mlx-lm's) for every row in one gather
+    and one scatter: each row's distinct tokens among its last PENALTY_WINDOW,
+    padded with its first one (a repeated index writes the same value)."""
+    ids, factors = [], []
+    for r in rows:
+        penalty = r.params.repetition_penalty
+        seen = sorted(set(r.history[-PENALTY_WINDOW:])) if penalty != 1.0 else []
+        ids.append(seen or [0])
+        factors.append(penalty if seen else 1.0)
+    width = max(len(i) for i in ids)
+    idx = mx.array([i + [i[0]] * (width - len(i)) for i in ids])
+    factor = mx.array(factors, dtype=logits.dtype)[:, None]
+    picked = mx.take_along_axis(logits, idx, axis=-1)
+    return mx.put_along_axis(logits, idx, mx.where(picked < 0, picked * factor, picked / factor), axis=-1)
 
 
 def _filter(logprobs: mx.array, top_k: mx.array, top_p: mx.array, min_p: mx.array) -> mx.array:
     """Mask (to -inf) tokens outside each row's top-k / top-p / min-p set.
 
-    logprobs: [B, V] (already divided by temperature); params: [B].
+    logprobs: [B, V] (already divided by temperature); params: [B] (top_k 0:
+    no cut; top_p 1: the whole tail, also the part whose mass above it rounds
+    to 1 in float32, so a row that does not truncate keeps every token).
     """
     order = mx.argsort(-logprobs, axis=-1)
     sorted_lp = mx.take_along_axis(logprobs, order, axis=-1)
@@ -59,12 +88,11 @@ def _filter(logprobs: mx.array, top_k: mx.array, top_p: mx.array, min_p: mx.arra
     before = mx.cumsum(probs, axis=-1) - probs  # mass strictly above this token
     keep = rank == 0  # the most likely token always survives
     keep = keep | (((top_k[:, None] == 0) | (rank < top_k[:, None]))
-                   & (before < top_p[:, None])
+                   & ((top_p[:, None] >= 1.0) | (before < top_p[:, None]))
                    & (probs >= min_p[:, None] * probs[:, :1]))
     masked_sorted = mx.where(keep, sorted_lp, -mx.inf)
-    # Scatter back to vocabulary order.
-    inverse = mx.argsort(order, axis=-1)
-    return mx.take_along_axis(masked_sorted, inverse, axis=-1)
+    # Back to vocabulary order: a scatter through the permutation (no second sort).
+    return mx.put_along_axis(mx.zeros_like(masked_sorted), order, masked_sorted, axis=-1)
 
 
 @dataclass
@@ -125,6 +153,44 @@ def gather_logprobs(logprobs: mx.array, tokens: mx.array, n: int) -> tuple[mx.ar
     return chosen, mx.take_along_axis(part, order, axis=-1).astype(mx.int32), mx.take_along_axis(vals, order, axis=-1)
 
 
+@dataclass
+class _Table:
+    """A batch's per-row parameters on the device. ``values`` columns: temperature
+    (1 for greedy rows), top_k, top_p, min_p, greedy (1 or 0). ``truncating``: the
+    rows that truncate, when only some do (None: all or none)."""
+
+    values: mx.array
+    any_truncates: bool
+    truncating: mx.array | None
+
+
+class _RowTable:
+    """The batch's ``_Table``, kept while the batch's rows (their SamplingParams
+    objects) stay the same: a decode step then uploads nothing for them. The last
+    two batches are kept (a step may also sample the sequences that finish their
+    prefill)."""
+
+    def __init__(self):
+        self._kept: list[tuple[list[SamplingParams], _Table]] = []
+
+    def __call__(self, rows: list[RowState]) -> _Table:
+        params = [r.params for r in rows]
+        for kept, table in self._kept:
+            if len(kept) == len(params) and all(a is b for a, b in zip(params, kept)):
+                return table
+        values = mx.array([[p.temperature if p.temperature > 0 else 1.0, p.top_k, p.top_p, p.min_p,
+                            float(p.greedy)] for p in params], dtype=mx.float32)
+        truncating = [i for i, r in enumerate(rows) if r.truncates]
+        table = _Table(values, bool(truncating),
+                       mx.array(truncating) if 0 < len(truncating) < len(rows) else None)
+        # The params are held with their table, so the identities above cannot be reused.
+        self._kept = [(params, table)] + self._kept[:1]
+        return table
+
+
+_row_table = _RowTable()
+
+
 def sample(logits: mx.array, rows: list[RowState]) -> Sampled:
     """Next token for every row, and logprobs for the rows that ask.
 
@@ -137,11 +203,7 @@ def sample(logits: mx.array, rows: list[RowState]) -> Sampled:
     """
     logits = logits.astype(mx.float32)
     if any(r.params.repetition_penalty != 1.0 for r in rows):
-        logits = mx.stack([
-            apply_repetition_penalty(logits[i], r.history, r.params.repetition_penalty)
-            if r.params.repetition_penalty != 1.0 else logits[i]
-            for i, r in enumerate(rows)
-        ])
+        logits = _penalize(logits, rows)
     wants = [r.params.logprobs for r in rows]
     asked = [n for n in wants if n is not None]
     all_greedy = all(r.params.greedy for r in rows)
@@ -150,36 +212,74 @@ def sample(logits: mx.array, rows: list[RowState]) -> Sampled:
         return Sampled(greedy, wants)
     if all_greedy:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens = greedy
     else:
-        temps = mx.array([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows])[:, None]
-        logprobs = logits / temps
+        table = _row_table(rows)
+        logprobs = logits / table.values[:, 0:1]
         logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
-    tokens = greedy if all_greedy else _draw(logits, logprobs, greedy, rows)
+        tokens = _draw(logprobs, greedy, rows, table)
     if not asked:
         return Sampled(tokens, wants)
     return Sampled(tokens, wants, *gather_logprobs(logprobs, tokens, max(asked)))
 
 
-def _draw(logits: mx.array, logprobs: mx.array, greedy: mx.array, rows: list[RowState]) -> mx.array:
-    """Sampled tokens for the non-greedy rows (greedy rows keep ``greedy``)."""
-    logprobs = _filter(
-        logprobs,
-        mx.array([r.params.top_k for r in rows]),
-        mx.array([r.params.top_p for r in rows]),
-        mx.array([r.params.min_p for r in rows]),
-    )
-    noise = []
-    unseeded = sum(r.key is None for r in rows)
-    shared = mx.random.gumbel((unseeded, logits.shape[-1])) if unseeded else None
-    n_shared = 0
+def _draw(logprobs: mx.array, greedy: mx.array, rows: list[RowState], table: _Table) -> mx.array:
+    """Sampled tokens for the non-greedy rows (greedy rows keep ``greedy``).
+
+    Gumbel-max: argmax(logprobs + Gumbel noise) samples from softmax(logprobs).
+    Only the rows that truncate sort their vocabulary (``_filter``).
+    """
+    v = table.values
+    if table.truncating is not None:
+        picked = table.truncating
+        filtered = _filter(logprobs[picked], v[picked, 1], v[picked, 2], v[picked, 3])
+        logprobs = mx.put_along_axis(logprobs, picked[:, None], filtered, axis=0)
+    elif table.any_truncates:
+        logprobs = _filter(logprobs, v[:, 1], v[:, 2], v[:, 3])
+    drawn = mx.argmax(logprobs + _noise(rows, logprobs.shape[-1]), axis=-1).astype(mx.int32)
+    return mx.where(v[:, 4] > 0, greedy, drawn)
+
+
+def _noise(rows: list[RowState], vocab: int) -> mx.array:
+    """[B, vocab] Gumbel noise: unseeded rows share one draw from the global
+    generator; each seeded row draws from its own key, split once per token
+    (the same bits as ``split`` and ``gumbel`` row by row, in two ops)."""
+    seeded = [i for i, r in enumerate(rows) if r.keys is not None]
+    unseeded = len(rows) - len(seeded)
+    shared = mx.random.gumbel((unseeded, vocab)) if unseeded else None
+    if not seeded:
+        return shared
+    split = mx.vmap(lambda key: mx.random.split(key))(_seeded_keys([rows[i] for i in seeded]))  # [S, 2, 2]
+    keys = split[:, 0]
+    for at, i in enumerate(seeded):
+        rows[i].keys, rows[i].at = keys, at
+    own = mx.vmap(lambda key: mx.random.gumbel((vocab,), key=key))(split[:, 1])
+    if not unseeded:
+        return own
+    # Rows in batch order: the shared draws first, then the seeded rows'.
+    position, n_shared, n_own = [], 0, unseeded
     for r in rows:
-        if r.key is None:
-            noise.append(shared[n_shared])
+        if r.keys is None:
+            position.append(n_shared)
             n_shared += 1
         else:
-            r.key, sub = mx.random.split(r.key)
-            noise.append(mx.random.gumbel(logits.shape[-1:], key=sub))
-    # Gumbel-max: argmax(logprobs + Gumbel noise) samples from softmax(logprobs).
-    drawn = mx.argmax(logprobs + mx.stack(noise), axis=-1).astype(mx.int32)
-    is_greedy = mx.array([r.params.greedy for r in rows])
-    return mx.where(is_greedy, greedy, drawn)
+            position.append(n_own)
+            n_own += 1
+    return mx.concatenate([shared, own])[mx.array(position)]
+
+
+def _seeded_keys(rows: list[RowState]) -> mx.array:
+    """The rows' current keys as one [S, 2] array: the array they already share
+    when nothing joined or left, else one gather over the arrays they point into."""
+    first = rows[0].keys
+    if first.shape[0] == len(rows) and all(r.keys is first and r.at == i for i, r in enumerate(rows)):
+        return first
+    arrays: dict[int, tuple[int, mx.array]] = {}
+    offset = 0
+    for r in rows:
+        if id(r.keys) not in arrays:
+            arrays[id(r.keys)] = (offset, r.keys)
+            offset += r.keys.shape[0]
+    stacked = [a for _, a in arrays.values()]
+    pool = stacked[0] if len(stacked) == 1 else mx.concatenate(stacked)
+    return pool[mx.array([arrays[id(r.keys)][0] + r.at for r in rows])]

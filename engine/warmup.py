@@ -27,6 +27,11 @@ from kiviq.engine.setup import context_length
 
 DECODE_STEPS = 6  # enough for a plain step, a trace and replays at each batch size
 FULL_STEP_CHUNK = 1024  # prompt tokens per row of the warm-up's full-budget prefill step
+# Row i of a group samples with WARM_UP_SAMPLING[i % 4]: greedy with logprobs, a seeded
+# row, an unseeded truncating row, a seeded truncating row; so a group of four meets
+# every op the sampler has (sort and scatter back, shared and per-key noise).
+WARM_UP_SAMPLING = (SamplingParams(logprobs=2), SamplingParams(temperature=0.7, seed=1),
+                    SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.7, top_k=20, seed=3))
 
 
 def _prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
@@ -50,8 +55,8 @@ def warm_up(engine: Any, vocab_size: int, *, batch_sizes: tuple[int, ...] = (1, 
     for b in batch_sizes:
         if b > capacity:
             break
-        for i in range(b):  # a group of first chunks, one of them with logprobs and a seed
-            sampling = SamplingParams(logprobs=2) if i == 0 else SamplingParams(temperature=0.7, seed=i)
+        for i in range(b):  # a group of first chunks
+            sampling = WARM_UP_SAMPLING[i % len(WARM_UP_SAMPLING)]
             engine.add(Request(f"warm-up-{n}", _prompt(rng, vocab_size, width - i), DECODE_STEPS + 2, sampling))
             n += 1
         _drain(engine)
@@ -79,6 +84,9 @@ def warm_up(engine: Any, vocab_size: int, *, batch_sizes: tuple[int, ...] = (1, 
         engine.add(Request(f"warm-up-{n}", _prompt(rng, vocab_size, long), 2))
         _drain(engine)
     mx.synchronize()
+    # Its buffers were made for shapes a run may never meet: back to the device, not
+    # held in MLX's cache from whatever else runs on this GPU.
+    mx.clear_cache()
     for key in engine.stats:
         engine.stats[key] = 0
     return time.perf_counter() - start

@@ -125,3 +125,26 @@ def test_a_kernel_that_disagrees_with_the_stock_ops_is_not_installed(monkeypatch
         assert not install_fused_residuals(model)
     assert "fused residual adds disabled" in caplog.text and "nvrtc: error" in caplog.text
     assert type(model.model).__module__.startswith("mlx_lm")
+
+
+def test_the_start_up_check_runs_at_each_eps_the_models_norms_use(monkeypatch):
+    """A kernel right at 1e-6 but wrong at the model's 1e-5 must not be installed."""
+    from kiviq.engine import fused_residuals
+
+    model = tiny_model("llama")
+    for i, layer in enumerate(model.model.layers):
+        layer.post_attention_layernorm.eps = 1e-5 if i else 1e-6
+    seen = []
+
+    def check(size, dtype, eps=1e-6):
+        seen.append(eps)
+        return None if eps == 1e-6 else f"differs at eps {eps}"
+
+    monkeypatch.setattr(fused_residuals, "supported", lambda size, dtype: True)
+    monkeypatch.setattr(fused_residuals, "check", check)
+    assert not install_fused_residuals(model)
+    assert 1e-5 in seen and type(model.model).__module__.startswith("mlx_lm")
+    for layer in model.model.layers:
+        layer.post_attention_layernorm.eps = layer.input_layernorm.eps = model.model.norm.eps = 1e-6
+    seen.clear()
+    assert install_fused_residuals(model) and seen == [1e-6]

@@ -106,3 +106,112 @@ def test_asking_for_logprobs_does_not_change_the_draws():
     plain = sample(logits, rows(*base)).tokens.tolist()
     asked = [SamplingParams(p.temperature, seed=p.seed, logprobs=3) for p in base]
     assert draw(logits, rows(*asked))[0] == plain
+
+
+# ---- how the batch is drawn (each against a row-by-row reference) -----------
+
+def reference_penalty(logits: np.ndarray, history: list[int], penalty: float) -> np.ndarray:
+    """mlx-lm's CTRL-style penalty over the last 20 tokens, one row."""
+    out = logits.copy()
+    for t in set(history[-20:]):
+        out[t] = out[t] * penalty if out[t] < 0 else out[t] / penalty
+    return out
+
+
+def test_repetition_penalty_for_the_whole_batch_matches_row_by_row():
+    from kiviq.engine.sampler import _penalize
+
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((4, V)).astype(np.float32) * 4
+    histories = [rng.integers(0, V, 40).tolist(), [], [7, 7, 7], rng.integers(0, 50, 5).tolist()]
+    penalties = [1.3, 1.5, 1.0, 0.8]
+    states = [RowState.create(SamplingParams(repetition_penalty=p), h) for p, h in zip(penalties, histories)]
+    got = np.array(_penalize(mx.array(logits), states))
+    for i, (h, p) in enumerate(zip(histories, penalties)):
+        want = reference_penalty(logits[i], h, p) if p != 1.0 else logits[i]
+        np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}")
+
+
+def test_a_batch_that_does_not_truncate_sorts_nothing(monkeypatch):
+    import kiviq.engine.sampler as sampler
+
+    def no_sort(*_):
+        raise AssertionError("sorted the vocabulary for rows that do not truncate")
+
+    monkeypatch.setattr(sampler, "_filter", no_sort)
+    logits = mx.random.normal((3, V), key=mx.random.key(4))
+    tokens, _ = draw(logits, rows(SamplingParams(temperature=0.8), SamplingParams(temperature=1.2, seed=5),
+                                  SamplingParams()))
+    assert len(tokens) == 3
+
+
+def test_top_p_1_keeps_the_tail_whose_mass_above_rounds_to_1():
+    from kiviq.engine.sampler import _filter
+
+    # One dominant token: in float32 the mass above the far tail sums to 1.0.
+    lp = np.full((2, V), -40.0, dtype=np.float32)
+    lp[:, 0] = 0.0
+    lp = lp - np.log(np.exp(lp.astype(np.float64)).sum(axis=-1, keepdims=True)).astype(np.float32)
+    out = np.array(_filter(mx.array(lp), mx.array([0, 0]), mx.array([1.0, 0.5]), mx.array([0.0, 0.0])))
+    assert np.isfinite(out[0]).all()  # top_p = 1: every token stays
+    np.testing.assert_array_equal(out[0], lp[0])
+    assert np.isfinite(out[1]).sum() == 1  # top_p = 0.5: only the dominant token
+
+
+def test_truncation_is_each_rows_own():
+    """top-k / top-p / min-p against a numpy reference, per row, in one batch."""
+    from kiviq.engine.sampler import _filter
+
+    rng = np.random.default_rng(6)
+    lp = rng.standard_normal((4, V)).astype(np.float32) * 2
+    lp = lp - np.log(np.exp(lp.astype(np.float64)).sum(-1, keepdims=True)).astype(np.float32)
+    top_k, top_p, min_p = [0, 10, 0, 3], [1.0, 1.0, 0.6, 0.9], [0.0, 0.0, 0.0, 0.2]
+    out = np.array(_filter(mx.array(lp), mx.array(top_k), mx.array(top_p), mx.array(min_p)))
+    for i in range(4):
+        order = np.argsort(-lp[i], kind="stable")
+        probs = np.exp(lp[i][order].astype(np.float64))
+        keep = np.ones(V, bool)
+        if top_k[i]:
+            keep[top_k[i]:] = False
+        if top_p[i] < 1:
+            keep &= (np.cumsum(probs) - probs) < top_p[i] + 1e-6
+        keep &= probs >= min_p[i] * probs[0] - 1e-9
+        keep[0] = True
+        assert set(np.flatnonzero(np.isfinite(out[i]))) == set(order[keep]), f"row {i}"
+        np.testing.assert_array_equal(out[i][np.isfinite(out[i])], lp[i][np.isfinite(out[i])])
+
+
+def test_seeded_rows_draw_as_if_alone_and_share_one_key_array():
+    params = SamplingParams(temperature=1.0, seed=42, top_k=50)
+    logits = [mx.random.normal((3, V), key=mx.random.key(10 + k)) * 3 for k in range(4)]
+    alone = RowState.create(params, [1])
+    expected = []
+    for step in logits:
+        expected.append(draw(step[1:2], [alone])[0][0])
+    batch = rows(SamplingParams(temperature=0.9), params, SamplingParams(temperature=0.5, seed=7))
+    got = []
+    for k, step in enumerate(logits):
+        if k == 2:  # the unseeded row leaves: the others keep their keys
+            batch, step = batch[1:], step[1:]
+            got.append(draw(step, batch)[0][0])
+        elif k == 3:
+            got.append(draw(step[1:], batch)[0][0])
+        else:
+            got.append(draw(step, batch)[0][1])
+        seeded = [r for r in batch if r.keys is not None]
+        assert all(r.keys is seeded[0].keys for r in seeded)  # the next step reuses them as they are
+        assert [r.at for r in seeded] == list(range(len(seeded)))
+    assert got == expected
+    assert alone.key.tolist() == batch[0].key.tolist()
+
+
+def test_the_row_table_is_uploaded_once_while_the_batch_keeps_its_rows():
+    from kiviq.engine.sampler import _row_table
+
+    states = rows(SamplingParams(temperature=0.7), SamplingParams(top_p=0.9, temperature=1.0))
+    first = _row_table(states)
+    assert first.truncating is not None and first.truncating.tolist() == [1]
+    assert _row_table(states) is first
+    assert _row_table(states[:1]) is not first
+    assert _row_table(states) is first  # the last two batches are kept
+    np.testing.assert_array_equal(np.array(first.values), np.array([[0.7, 0, 1.0, 0, 0], [1.0, 0, 0.9, 0, 0]], np.float32))
