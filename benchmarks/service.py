@@ -17,12 +17,11 @@ each run through the service the raw engine in this process
 (``kiviq.engine.build_engine`` with the EngineConfig the worker builds from the
 same flags, warmed up where the worker warms up) runs the same requests, so the
 two runs of a pair meet the host at nearly the same speed; the raw engine and
-the worker hold their model and KV memory at once (on a GPU: twice the model
-and twice a quarter of device memory, unless ``--worker-arg=--kv-memory ...``).
-Not yet run to the end on an 80 GB card: on an H100 the worker ran out of memory
-at start, at the default and with ``--worker-arg=--kv-memory=10GB`` (64 jobs of
-~1.5k tokens need ~4.5 GB at 4 bits), beside the raw engine's process, whose
-warm-up had left its buffers in MLX's cache.
+the worker hold their model and KV memory at once. On a GPU each is held to
+``SHARED_GPU`` of the device (``--memory-limit``, given to both, unless
+``--worker-arg=--memory-limit ...`` sets another): without it, on an H100, the
+worker's allocations failed beside the raw engine, whose MLX cache had grown to
+MLX's own limit (80% of the device).
 
 With 4 or more CPUs (``--split-cpus``, the default) the worker runs on the
 lower half of this process's CPUs and the client processes and Redis, which
@@ -73,6 +72,9 @@ from benchmarks.service_measure import (CheckFailed, check_streams, compare_toke
                                         service_run, summarize, worker_steps)
 from benchmarks.service_setup import (RedisProcess, WorkerProcess, default_model_dir, load_tokenizer,  # noqa: E402
                                       make_prompts, pin_this_process, random_model_dir, split_cpus)
+
+
+SHARED_GPU = 0.4  # of the device's memory, for each of the raw engine's and the worker's processes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -260,8 +262,10 @@ class RawArm:
         steps: dict = {}
         recs, wall = raw_run(self.engine, requests, steps)
         self.out.setdefault("raw_steps", []).append(steps)
+        import mlx.core as mx
+
         print(f"raw engine run {run + 1}: {summarize(recs, wall)['generated_tok_s']:.1f} generated tok/s, "
-              f"{wall:.2f} s", flush=True)
+              f"{wall:.2f} s; MLX's arrays peaked at {mx.get_peak_memory() / 2**30:.1f} GiB", flush=True)
         return recs
 
     def close(self) -> None:
@@ -300,7 +304,18 @@ def benchmark(args: argparse.Namespace) -> dict:
     from kiviq.engine.setup import CPU_SEQUENCES, GPU_SEQUENCES
     from kiviq.worker.cli import build_parser as worker_parser
 
-    max_active = worker_parser().parse_args(wargs).max_active  # a bad flag fails here, before anything starts
+    parsed = worker_parser().parse_args(wargs)  # a bad flag fails here, before anything starts
+    if not args.no_raw and parsed.memory_limit is None:
+        import mlx.core as mx
+
+        from kiviq.engine.device_memory import total_memory
+
+        if mx.default_device() == mx.gpu:  # two processes on one GPU: neither may count on MLX's 80%
+            share = int(total_memory() * SHARED_GPU)
+            wargs = [*wargs, f"--memory-limit={share}"]
+            print(f"note: the raw engine and the worker share this GPU: each may hold {share / 2**30:.1f} GiB "
+                  "(--memory-limit; --worker-arg='--memory-limit SIZE' sets another)", flush=True)
+    max_active = parsed.max_active
     if max_active is None:  # the worker picks it for its device: at least this many
         max_active = min(GPU_SEQUENCES[0], CPU_SEQUENCES)
         if max_active < args.jobs:

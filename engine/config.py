@@ -81,7 +81,13 @@ class EngineConfig:
         kv_group_size: G, tokens (keys) or channels (values) per quantization group.
         kv_residual: R, the fp16 window of most recent tokens (a multiple of G).
         kv_flush_blocks: k, blocks quantized per flush (see KVConfig).
-        kv_memory: byte budget of the KV store; None: a quarter of device memory.
+        kv_memory: byte budget of the KV store; None: a quarter of device memory
+            (``engine.device_memory.default_kv_memory``).
+        memory_limit: bytes of device memory the engine's process may hold (its
+            model, KV store, working buffers and MLX's cache; MLX's memory limit);
+            None: on a GPU, what the process holds plus what the device has free
+            when the engine is built, at most MLX's own limit
+            (``engine.device_memory.apply_memory_limit``).
         max_sequences: sequences the store holds at once; None: chosen for the
             device and the KV budget (``engine.setup.default_max_sequences``).
         max_batch_tokens: tokens fed to the model per step (decode + prefill);
@@ -105,6 +111,7 @@ class EngineConfig:
     kv_residual: int = 128
     kv_flush_blocks: int = 1
     kv_memory: int | None = None
+    memory_limit: int | None = None
     max_sequences: int | None = None
     max_batch_tokens: int | None = None
     prefill_while_decoding: int | None = None
@@ -129,6 +136,8 @@ class EngineConfig:
             raise ValueError(f"kv_flush_blocks must be >= 1, got {self.kv_flush_blocks}")
         if self.kv_memory is not None and self.kv_memory < 1:
             raise ValueError(f"kv_memory must be a positive byte count or None, got {self.kv_memory}")
+        if self.memory_limit is not None and self.memory_limit < 1:
+            raise ValueError(f"memory_limit must be a positive byte count or None, got {self.memory_limit}")
         if self.max_sequences is not None and self.max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
         if self.max_batch_tokens is not None and self.max_batch_tokens < 1:

@@ -33,6 +33,7 @@ import numpy as np
 from mlx_lm.models import base as mlx_lm_base
 
 from kiviq.engine.block_manager import blocks_for_budget
+from kiviq.engine.device_memory import default_kv_memory
 from kiviq.engine.kv_store import DecodeBatch, KiviStore, KVConfig, PrefillBatch, SequenceKV
 
 _stock_sdpa = mlx_lm_base.scaled_dot_product_attention
@@ -299,18 +300,6 @@ def attention_shape(model: nn.Module) -> tuple[int, int, int]:
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
     n_kv = getattr(args, "num_key_value_heads", None) or n_heads
     return len(model.layers), n_kv, head_dim
-
-
-def default_kv_memory() -> int:
-    """KV budget when none is given: a quarter of the device's memory (GPU
-    memory where MLX reports it, else the host's RAM), at most 64 GiB."""
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
-    total = info.get("memory_size") or info.get("total_memory")
-    if not total:
-        import os
-
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(min(total // 4, 64 << 30))
 
 
 def store_sizes(model: nn.Module, config: KVConfig, dtype: mx.Dtype | None = None):

@@ -15,7 +15,8 @@ from kiviq.engine.decode_attention import install_decode_attention
 from kiviq.engine.fused_residuals import install_fused_residuals
 from kiviq.engine.flat_quantized import flatten_quantized_matmuls
 from kiviq.engine.fused_projections import fuse_projections
-from kiviq.engine.kivi_cache import attention_shape, default_kv_memory, make_store, model_dtype, store_sizes
+from kiviq.engine.device_memory import apply_memory_limit, default_kv_memory, total_memory
+from kiviq.engine.kivi_cache import attention_shape, make_store, model_dtype, store_sizes
 from kiviq.engine.serial_engine import SerialEngine
 
 log = logging.getLogger("kiviq.engine")
@@ -57,7 +58,8 @@ def activation_bytes_per_token(model: Any) -> int:
 
 def default_batch_tokens(model: Any, device_memory: int | None = None, on_gpu: bool | None = None) -> int:
     """Tokens per engine step when none is configured: on a GPU, the largest
-    power of two whose activations fit ``ACTIVATION_SHARE`` of its memory,
+    power of two whose activations fit ``ACTIVATION_SHARE`` of its memory (the
+    device's, also where the engine holds a share of it: a few GB at most),
     within ``GPU_BATCH_TOKENS`` (16384 at the Qwen3-4B shape on an H200, where
     a prefill forward of 16k tokens runs the matmuls near their peak; 4096 on a
     24 GB GPU); on a CPU, ``CPU_BATCH_TOKENS``."""
@@ -66,8 +68,7 @@ def default_batch_tokens(model: Any, device_memory: int | None = None, on_gpu: b
     if not on_gpu:
         return CPU_BATCH_TOKENS
     if device_memory is None:
-        info = mx.device_info() if hasattr(mx, "device_info") else {}
-        device_memory = info.get("memory_size") or info.get("total_memory") or 0
+        device_memory = total_memory()
     fit = int(device_memory * ACTIVATION_SHARE) // activation_bytes_per_token(model)
     lo, hi = GPU_BATCH_TOKENS
     tokens = lo
@@ -143,6 +144,8 @@ def build_engine(model: Any, tokenizer: Any, config: EngineConfig | None = None,
     install_fused_residuals(model)  # each residual add and the norm after it in one launch (CUDA)
     if config.flat_qmm:
         flatten_quantized_matmuls(model)
+    # Before any default is sized from device memory: they count on this limit's share.
+    config = dataclasses.replace(config, memory_limit=apply_memory_limit(config.memory_limit))
     if config.kv_bits == 16:
         return SerialEngine(model, tokenizer)
     config = dataclasses.replace(config, use_kernel=kernel_choice(config, model))

@@ -281,7 +281,7 @@ def test_every_option_says_its_default():
     ("kiviq top", "--interval", "seconds"), ("kiviq bulk", "--job-timeout", "seconds"),
     ("kiviq demo", "--timeout", "seconds"), ("kiviq demo", "--max-tokens", "tokens"),
     ("kiviq worker", "--grace", "seconds"), ("kiviq worker", "--kv-memory", "bytes"),
-    ("kiviq worker", "--kv-residual", "tokens"), ("kiviq worker", "--max-batch-tokens", "tokens"),
+    ("kiviq worker", "--memory-limit", "bytes"),    ("kiviq worker", "--kv-residual", "tokens"), ("kiviq worker", "--max-batch-tokens", "tokens"),
     ("kiviq serve", "--request-timeout", "seconds"),
 ])
 def test_options_with_a_unit_say_it(prog, option, unit):

@@ -19,6 +19,7 @@ from kiviq.worker.blas import reexec_with_openblas
 # EngineConfig fields -> the flags that set them, so a config error names the flag
 CONFIG_FLAGS = {"kv_bits": "--kv-bits", "kv_rotate": "--kv-bits", "kv_group_size": "--kv-group-size", "kv_residual": "--kv-residual",
                 "kv_flush_blocks": "--kv-flush-blocks", "kv_memory": "--kv-memory",
+                "memory_limit": "--memory-limit",
                 "max_sequences": "--max-active", "max_batch_tokens": "--max-batch-tokens",
                 "prefill_while_decoding": "--prefill-while-decoding"}
 
@@ -65,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KIVI blocks quantized per flush k: a tail flushes at R + k*G tokens, so each "
                         "sequence flushes k times less often (tails hold (k-1)*G more tokens)")
     w.add_argument("--kv-memory", type=parse_bytes, default=None,
-                   help="KV store budget in bytes, e.g. 2GiB, 512MiB, 1e9 (default: a quarter of device memory)")
+                   help="KV store budget in bytes, e.g. 2GiB, 512MiB, 1e9 (default: a quarter of device memory, of "
+                        "the worker's share of it under --memory-limit, at most 64GiB)")
+    w.add_argument("--memory-limit", type=parse_bytes, default=None,
+                   help="device memory this worker may hold, in bytes, e.g. 40GiB: model, KV store, working "
+                        "buffers and MLX's cache (default: on a GPU, what is free when it starts, at most MLX's "
+                        "80%% of the device; the default KV budget and --max-active shrink with it)")
     w.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps through mx.compile (less host work per step; same tokens; "
                         "default: on where MLX runs on a GPU)")
@@ -112,7 +118,8 @@ def engine_config(args: argparse.Namespace, environ=os.environ):
     try:
         return EngineConfig(
             kv_bits=kv_bits, kv_rotate=kv_rotate, kv_group_size=args.kv_group_size, kv_residual=args.kv_residual,
-            kv_flush_blocks=args.kv_flush_blocks, kv_memory=args.kv_memory, max_sequences=args.max_active,
+            kv_flush_blocks=args.kv_flush_blocks, kv_memory=args.kv_memory, memory_limit=args.memory_limit,
+            max_sequences=args.max_active,
             max_batch_tokens=args.max_batch_tokens, prefill_while_decoding=args.prefill_while_decoding,
             compile_decode=args.compile_decode,
             pipeline=args.pipeline_decode,

@@ -102,7 +102,7 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
     except RuntimeError as e:
         if not out_of_memory(e):
             raise
-        from kiviq.engine.kivi_cache import default_kv_memory
+        from kiviq.engine.device_memory import default_kv_memory
 
         budget = (f"--kv-memory {_gib(config.kv_memory)}" if config.kv_memory is not None
                   else f"{_gib(default_kv_memory())}, the default for this device (--kv-memory)")
@@ -118,16 +118,22 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
              + (f", {c.max_batch_tokens} tokens per step" if c.max_batch_tokens else "")
              + (f" ({c.prefill_while_decoding} prompt tokens at most while generating)"
                 if c.prefill_while_decoding else ""))
-    if warm_up is None:
-        import mlx.core as mx
+    if c.memory_limit and hasattr(engine, "kv_store"):
+        log.info("device memory: at most %s for this worker (MLX's limit; --memory-limit), %s of it for the KV store",
+                 _gib(c.memory_limit), _gib(engine.kv_store.budget_bytes()))
+    import mlx.core as mx  # loaded with the engine
 
+    if warm_up is None:
         warm_up = mx.default_device() == mx.gpu
     if warm_up and hasattr(engine, "kv_store"):  # the batching engine (the serial one compiles nothing)
         from kiviq.engine.warmup import warm_up as run_warm_up
 
         log.info("warming up (compiling kernels before taking jobs)")
         try:
-            log.info("warm-up took %.1f s", run_warm_up(engine, lm.args.vocab_size))
+            took = run_warm_up(engine, lm.args.vocab_size)
+            # The warm-up's steps are the largest the worker runs: its peak is what the worker needs.
+            log.info("warm-up took %.1f s; MLX's arrays peaked at %s (limit %s)", took,
+                     _gib(mx.get_peak_memory()), _gib(mx.get_memory_limit()))
         except RuntimeError as e:
             if not out_of_memory(e):
                 raise
