@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiviq.jobs.keys import worker_stats_key
+from kiviq.worker.device_metrics import add_device_memory
 from kiviq.worker.metrics import PhaseClock, WorkerMetrics, quantile
 from kiviq.worker.metrics_http import serve_metrics
 from kiviq.worker.stats import StatsPublisher
@@ -369,6 +370,8 @@ def test_worker_metrics_end_to_end(redis_url, redis_conn, start_worker):
     assert value_of(fam, "kiviq:step_duration_seconds_count") > 0
     assert value_of(fam, "kiviq:num_preemptions_total") == 0
     assert value_of(fam, "process_resident_memory_bytes") > 0
+    active = value_of(fam, "kiviq:device_memory_bytes", kind="active")  # the model and KV store at least
+    assert 0 < active <= value_of(fam, "kiviq:device_memory_bytes", kind="peak")
     # kiviq top's numbers, from the worker's published snapshot
     while True:
         data = collect(redis_conn)
@@ -382,12 +385,35 @@ def test_worker_metrics_end_to_end(redis_url, redis_conn, start_worker):
 
 # ---- the Grafana dashboard ------------------------------------------------------------
 
+def test_device_memory_gauges_read_mlx_at_each_scrape():
+    held = {"get_active_memory": 9 << 30, "get_cache_memory": 1 << 30, "get_peak_memory": 12 << 30,
+            "get_memory_limit": 40 << 30}
+    stand_in = SimpleNamespace(**{name: (lambda name=name: held[name]) for name in held})
+    m = WorkerMetrics(MODEL, process_metrics=False)
+    add_device_memory(m, stand_in)
+    fam = parse(m.render())
+    assert {kind: value_of(fam, "kiviq:device_memory_bytes", kind=kind, model_name=MODEL)
+            for kind in ("active", "cache", "peak", "limit")} == {
+        "active": 9 << 30, "cache": 1 << 30, "peak": 12 << 30, "limit": 40 << 30}
+    held["get_active_memory"] = 20 << 30  # read again at the next scrape, not kept
+    assert value_of(parse(m.render()), "kiviq:device_memory_bytes", kind="active") == 20 << 30
+
+
+def test_device_memory_gauges_are_mlxs_own():
+    import mlx.core as mx
+
+    m = WorkerMetrics(MODEL, process_metrics=False)
+    add_device_memory(m)
+    assert value_of(parse(m.render()), "kiviq:device_memory_bytes", kind="limit") == mx.get_memory_limit()
+
+
 def test_grafana_dashboard_uses_only_exported_metrics():
     import re
     from pathlib import Path
 
     dash = json.loads((Path(__file__).resolve().parents[1] / "docs" / "grafana" / "kiviq.json").read_text())
     m = WorkerMetrics(MODEL)
+    add_device_memory(m)  # as run_worker does
     exported = {s.name for f in parse(m.render()).values() for s in f.samples}
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
     exprs += [v["query"]["query"] for v in dash["templating"]["list"] if isinstance(v.get("query"), dict)]

@@ -8,6 +8,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from kiviq.jobs.settings import redact_url, redis_url_from_env
+from kiviq.worker.device_metrics import add_device_memory
 from kiviq.worker.metrics import WorkerMetrics
 from kiviq.worker.metrics_http import serve_metrics
 from kiviq.worker.service import BatchWorker
@@ -81,6 +82,7 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
         raise StartupError(f"cannot reach Redis at {redact_url(url)}: {str(e).rstrip('.')}; "
                            "start one or pass --redis-url") from e
     metrics = WorkerMetrics(model_name=model or "SmolLM2-135M-Instruct")
+    add_device_memory(metrics)
     if metrics_port is not None:  # bind before the slow model load: a taken port fails fast
         try:
             serve_metrics(metrics, metrics_port, host=metrics_host)
