@@ -21,7 +21,10 @@ the worker hold their model and KV memory at once. On a GPU each is held to
 ``SHARED_GPU`` of the device (``--memory-limit``, given to both, unless
 ``--worker-arg=--memory-limit ...`` sets another): without it, on an H100, the
 worker's allocations failed beside the raw engine, whose MLX cache had grown to
-MLX's own limit (80% of the device).
+MLX's own limit (80% of the device). On an H200 each process's arrays peaked at
+44 GiB (8 GiB of weights, a 14.8 GiB KV store, 16,384-token steps); on an 80 GB
+card each gets 32.6 GiB, which was not yet tried: where a process runs out of
+memory there, give smaller steps (``--worker-arg=--max-batch-tokens=8192``).
 
 With 4 or more CPUs (``--split-cpus``, the default) the worker runs on the
 lower half of this process's CPUs and the client processes and Redis, which
