@@ -256,6 +256,8 @@ class RawArm:
             pin_this_process(set(self.out["cpus"]["worker"]))
 
     def run(self, run: int, run_prompts: list[str]) -> list:
+        import mlx.core as mx
+
         from kiviq.jobs.models import GenerateRequest
         from kiviq.worker.prompts import build_request
 
@@ -265,8 +267,6 @@ class RawArm:
         steps: dict = {}
         recs, wall = raw_run(self.engine, requests, steps)
         self.out.setdefault("raw_steps", []).append(steps)
-        import mlx.core as mx
-
         print(f"raw engine run {run + 1}: {summarize(recs, wall)['generated_tok_s']:.1f} generated tok/s, "
               f"{wall:.2f} s; MLX's arrays peaked at {mx.get_peak_memory() / 2**30:.1f} GiB", flush=True)
         return recs

@@ -13,12 +13,9 @@ limit the engine is held to: on a GPU of its own, the device's memory, as before
 
 from __future__ import annotations
 
-import logging
 import os
 
 import mlx.core as mx
-
-log = logging.getLogger("kiviq.engine")
 
 KV_SHARE = 4  # the default KV budget: a quarter of device memory,
 KV_MOST = 64 << 30  # at most this
@@ -53,16 +50,14 @@ def held_memory() -> int:
     return mx.get_active_memory() + mx.get_cache_memory()
 
 
-def apply_memory_limit(requested: int | None = None, on_gpu: bool | None = None) -> int:
+def apply_memory_limit(requested: int | None = None) -> int:
     """Hold this process's MLX allocations to ``requested`` bytes; None: on a GPU
     that reports its free memory, what this process holds plus what is free now,
     at most MLX's own limit; elsewhere MLX's own limit, unchanged. Returns the
     limit in force."""
     default = mlx_default_limit()
     if requested is None:
-        if on_gpu is None:
-            on_gpu = mx.default_device() == mx.gpu
-        free = _info().get("free_memory") if on_gpu else None
+        free = _info().get("free_memory") if mx.default_device() == mx.gpu else None
         limit = default if free is None else min(default, held_memory() + int(free))
     else:
         limit = requested
