@@ -61,7 +61,8 @@ from tests.engine_runs import IdTokenizer  # noqa: E402
 
 
 COLUMNS = ["budget", "cap while decoding", "run", "", "all first tokens s", "prompt tok/s", "total s",
-           "generated tok/s", "ITL in burst p50/p99 ms", "ITL after p50/p99 ms", "tokens"]
+           "generated tok/s", "ITL in burst p50/p99 ms", "ITL after p50/p99 ms", "peak above held GiB",
+           "KiB / budget token", "tokens"]
 
 
 def make_prompts(run: int, n: int, tokens: int, vocab: int) -> list[list[int]]:
@@ -210,11 +211,13 @@ def across_processes(args) -> None:
         rows.append([name, len(procs), len(warm), spread([r["first_all"] for r in warm], ".2f"),
                      spread([r["prompt_tok_s"] for r in warm], ",.0f"), spread([r["generated_tok_s"] for r in warm], ",.0f"),
                      " ".join(f"{x:.2f}" for x in firsts) or "-",
+                     spread([r["step_peak_bytes"] / 2**30 for r in warm if "step_peak_bytes" in r], ".2f"),
                      " ".join(f"{p['host_probe_ms']:.1f}" for p in procs)])
     print(f"\n{args.processes} fresh processes per tree, trees interleaved\n")
     print(table(["tree", "processes", "warm runs", "all first tokens s: min / median / max",
                  "prompt tok/s: min / median / max", "generated tok/s: min / median / max",
-                 "first run / its process's warm median", "host probe ms per process"], rows))
+                 "first run / its process's warm median", "peak above held GiB: min / median / max",
+                 "host probe ms per process"], rows))
     digests: dict[tuple, set] = {}
     for procs in results.values():
         for p in procs:
@@ -281,6 +284,9 @@ def main() -> None:
             prompts = make_prompts(0 if args.same_prompts else run, args.requests, args.prompt_tokens, vocab)
             last = run == args.runs - 1
             profile = cProfile.Profile() if args.host_profile and last else None
+            mx.synchronize()
+            held = mx.get_active_memory()  # weights, the KV store, the sampler's buffers
+            mx.reset_peak_memory()
             with device_trace() if args.trace and last else contextlib.nullcontext([]) as ev:
                 if profile is not None:
                     profile.enable()
@@ -289,16 +295,18 @@ def main() -> None:
                     profile.disable()
                     profiles.append(profile)
             events = ev or events
+            step_peak = mx.get_peak_memory() - held  # what the run's steps needed on top
             # Compiled shapes stay with the process: only its first run is cold.
             state = "warm" if run or arm else "after warm-up" if args.warm_up else "cold"
             measured = dict(budget=budget, cap=cap, run=run, state=state, first_all=r["first_all"],
                             prompt_tok_s=r["prompt"] / r["first_all"], generated_tok_s=r["generated"] / r["total"],
-                            digest=r["digest"])
+                            digest=r["digest"], step_peak_bytes=step_peak)
             summary.append(measured)
             rows.append([budget, cap or "-", run, state, f"{r['first_all']:.2f}",
                          f"{measured['prompt_tok_s']:,.0f}", f"{r['total']:.2f}", f"{measured['generated_tok_s']:,.1f}",
                          f"{pct(r['itl_burst'], 50)} / {pct(r['itl_burst'], 99)}",
-                         f"{pct(r['itl'], 50)} / {pct(r['itl'], 99)}", r["digest"]])
+                         f"{pct(r['itl'], 50)} / {pct(r['itl'], 99)}", f"{step_peak / 2**30:.2f}",
+                         f"{step_peak / budget / 1024:,.0f}", r["digest"]])
             print(table(COLUMNS, rows[-1:]), flush=True)
             if shapes:
                 print(f"shapes, run {run}: {shapes.summary()}")

@@ -23,4 +23,5 @@ def test_two_trees_in_fresh_processes_are_summarized_and_their_tokens_compared()
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[1:3] == ["1", "1"]  # one process, one warm run (run 0 is cold)
         assert len(cells[3].split(" / ")) == 3 and cells[6] != "-"  # a spread, and the first run's ratio
+        assert len(cells[7].split(" / ")) == 3  # the runs' memory peaks above what the engine held
     assert "tokens, run by run, every process of every tree: the same" in out
