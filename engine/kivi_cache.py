@@ -35,6 +35,7 @@ from mlx_lm.models import base as mlx_lm_base
 from kiviq.engine.block_manager import blocks_for_budget
 from kiviq.engine.device_memory import default_kv_memory
 from kiviq.engine.kv_store import DecodeBatch, KiviStore, KVConfig, PrefillBatch, SequenceKV
+from kiviq.engine.layer_pacer import LayerPacer
 
 _stock_sdpa = mlx_lm_base.scaled_dot_product_attention
 
@@ -112,8 +113,11 @@ class KiviLayerCache:
 
     def __init__(self, store: KiviStore, layer: int, seqs: list[SequenceKV], *,
                  batch: DecodeBatch | None = None, prefill: PrefillBatch | None = None,
-                 packed: PackedPrefill | None = None, attention_multiple: int = 1):
+                 packed: PackedPrefill | None = None, attention_multiple: int = 1,
+                 pacer: LayerPacer | None = None):
         self.store, self.layer, self.seqs = store, layer, seqs
+        # A prefill forward's pace on the device (layer_pacer); None: built in one go.
+        self.pacer = pacer
         # A later chunk's attention length padded to a multiple (causal_attention).
         self.attention_multiple = attention_multiple
         # A decode step prepared for every layer at once (its seqs are `seqs`).
@@ -192,9 +196,9 @@ class KiviLayerCache:
             out = causal_attention(queries, k_all.astype(queries.dtype), v_all.astype(queries.dtype), scale,
                                    multiple=self.attention_multiple)
             self.store.append(self.layer, seq, keys[0], values[0], reads=(out,))
-            return out
+            return self._after_writes(out)
         self.store.append(self.layer, seq, keys[0], values[0])
-        return out
+        return self._after_writes(out)
 
     def _packed_attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
         """Packed first chunks ([T, H, 1, D]: a row per token): each attention group
@@ -212,7 +216,13 @@ class KiviLayerCache:
             outs.append(out.transpose(0, 2, 1, 3).reshape(g.rows * g.width, -1, d))
         self.store.write_prefill(self.layer, self.prefill, k[None].swapaxes(1, 2), v[None].swapaxes(1, 2))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
-        return out[self.packed.back][:, :, None]
+        return self._after_writes(out[self.packed.back][:, :, None])
+
+    def _after_writes(self, out: mx.array) -> mx.array:
+        """``out``, once this layer's writes have run (``KiviStore.layer_writes``),
+        launched by the forward's pacer where it has one."""
+        out = mx.depends(out, self.store.layer_writes(self.layer))
+        return out if self.pacer is None else self.pacer(out)
 
     @property
     def nbytes(self) -> int:

@@ -188,6 +188,14 @@ class KiviStore:
         writes, self._unrun_writes = self._unrun_writes, []
         return [self.pools, [done for _, done in writes]]
 
+    def layer_writes(self, layer: int) -> list[mx.array]:
+        """What holds ``layer``'s writes of the forward being built: its pool arrays
+        (their scatters) and its in-place block writes. A forward whose next layer
+        depends on them (``mx.depends``) runs them as it goes: left for the end, each
+        would keep its layer's keys and values alive through the whole forward (a
+        prefill step's peak memory 2.5x the bare model's on the CPU machine)."""
+        return [*self.pools[layer], *(done for at, done in self._unrun_writes if at == layer)]
+
     def _run_writes(self, layer: int | None = None) -> None:
         """Run the in-place block writes (of ``layer``, or all) that nobody evaluated
         yet, before a read of those blocks. The engine's runner evaluates them with

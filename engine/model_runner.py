@@ -15,6 +15,7 @@ import numpy as np
 from kiviq.engine.compiled_decode import CompiledDecode
 from kiviq.engine.kivi_cache import AttentionHook, KiviLayerCache, PackedPrefill, pack_first_chunks_layout
 from kiviq.engine.kv_store import KiviStore, SequenceKV
+from kiviq.engine.layer_pacer import LayerPacer
 
 
 # mlx-lm families whose Model.__call__ is exactly `head(self.model(inputs, cache))`,
@@ -66,7 +67,8 @@ class ModelRunner:
         Returns:
             [V] logits after the chunk's last token.
         """
-        caches = [KiviLayerCache(self.store, layer, [seq], attention_multiple=self.prefill_chunk_multiple)
+        pacer, multiple = LayerPacer(), self.prefill_chunk_multiple
+        caches = [KiviLayerCache(self.store, layer, [seq], attention_multiple=multiple, pacer=pacer)
                   for layer in range(self.store.num_layers)]
         with self.store.forward_writes(), self.attention:
             hidden = self.trunk(mx.array(tokens)[None], caches)
@@ -94,7 +96,8 @@ class ModelRunner:
         tokens = np.zeros(layout.tokens, np.int32)
         for chunk, start in zip(chunks, layout.starts):
             tokens[start:start + len(chunk)] = chunk
-        caches = [KiviLayerCache(self.store, layer, seqs, prefill=batch, packed=layout)
+        pacer = LayerPacer()
+        caches = [KiviLayerCache(self.store, layer, seqs, prefill=batch, packed=layout, pacer=pacer)
                   for layer in range(self.store.num_layers)]
         with self.store.forward_writes(), self.attention:
             hidden = self.trunk(mx.array(tokens)[:, None], caches)  # a row per token: [T, 1, H]

@@ -17,6 +17,7 @@ from kiviq.engine.flat_quantized import flatten_quantized_matmuls
 from kiviq.engine.fused_projections import fuse_projections
 from kiviq.engine.device_memory import apply_memory_limit, default_kv_memory, total_memory
 from kiviq.engine.kivi_cache import attention_shape, make_store, model_dtype, store_sizes
+from kiviq.engine.layer_pacer import LAYERS_AHEAD
 from kiviq.engine.serial_engine import SerialEngine
 
 log = logging.getLogger("kiviq.engine")
@@ -40,26 +41,30 @@ def context_length(model: Any, default: int = DEFAULT_CONTEXT) -> int:
 
 CPU_BATCH_TOKENS = 1024  # a CPU computes a prefill at the same rate in any chunk size
 GPU_BATCH_TOKENS = (1024, 16384)  # least and most per step on a GPU
-ACTIVATION_SHARE = 0.04  # of device memory, for one step's activations
+ACTIVATION_SHARE = 0.12  # of device memory, for one step's activations
 
 
 def activation_bytes_per_token(model: Any) -> int:
-    """About what one token of a prefill forward keeps alive at its peak: the
-    residual stream, a layer's q/k/v and attention output, and its MLP
-    intermediates (gate, up and their product), twice over for the allocator's
-    slack, in the model's dtype."""
+    """About what one token of a prefill step keeps alive at its peak: the layers
+    a paced forward has queued on the device (``layer_pacer.LAYERS_AHEAD`` and the
+    one being built), each holding its residual stream, q/k/v and attention output,
+    and its MLP intermediates (gate, up and their product), twice over for the
+    allocator's slack, in the model's dtype. For the Qwen3-4B shape in bf16 this is
+    533 KiB; an H100 measured 438-579 KiB per token at steps of 4,096 and 16,384
+    tokens (docs/performance.md, "Bulk prefill")."""
     args = model.args
     hidden = args.hidden_size
     inter = getattr(args, "intermediate_size", 4 * hidden)
     layers, n_kv, head_dim = attention_shape(model)
     qkv = (args.num_attention_heads + 2 * n_kv) * head_dim
-    return 2 * model_dtype(model).size * (3 * hidden + qkv + hidden + 3 * inter)
+    one_layer = 2 * model_dtype(model).size * (3 * hidden + qkv + hidden + 3 * inter)
+    return (LAYERS_AHEAD + 1) * one_layer
 
 
 def default_batch_tokens(model: Any, device_memory: int | None = None, on_gpu: bool | None = None) -> int:
     """Tokens per engine step when none is configured: on a GPU, the largest
     power of two whose activations fit ``ACTIVATION_SHARE`` of its memory (the
-    device's, also where the engine holds a share of it: a few GB at most),
+    device's, also where the engine holds a share of it: 9 GB at most),
     within ``GPU_BATCH_TOKENS`` (16384 at the Qwen3-4B shape on an H200, where
     a prefill forward of 16k tokens runs the matmuls near their peak; 4096 on a
     24 GB GPU); on a CPU, ``CPU_BATCH_TOKENS``."""
