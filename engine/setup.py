@@ -50,8 +50,8 @@ def activation_bytes_per_token(model: Any) -> int:
     one being built), each holding its residual stream, q/k/v and attention output,
     and its MLP intermediates (gate, up and their product), twice over for the
     allocator's slack, in the model's dtype. For the Qwen3-4B shape in bf16 this is
-    533 KiB; an H100 measured 438-579 KiB per token at steps of 4,096 and 16,384
-    tokens (docs/performance.md, "Bulk prefill")."""
+    534 KiB; an H100 measured 438-579 KiB per token at steps of 4,096 and 16,384
+    tokens (docs/performance.md, "What a prefill step holds")."""
     args = model.args
     hidden = args.hidden_size
     inter = getattr(args, "intermediate_size", 4 * hidden)
