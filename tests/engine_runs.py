@@ -24,6 +24,25 @@ def run_engine(engine, requests, join_every: int = 0) -> dict[str, list[int]]:
     return out
 
 
+# A tiny llama of mlx-lm's: the engine's paths (prefill, flushes, decode) on weights that
+# cost nothing to build or run.
+TINY_LLAMA = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512,
+                  rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=True)
+
+
+def tiny_model(**config):
+    """An mlx-lm model of ``TINY_LLAMA``'s shape with ``config``'s changes, random
+    weights seeded the same on every call (not yet evaluated)."""
+    import mlx.core as mx
+    from mlx_lm.utils import _get_classes
+
+    config = {**TINY_LLAMA, **config}
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(0)
+    return model_cls(args_cls.from_dict(config))
+
+
 class NullDetokenizer:
     """Random weights have no text: the engines only need token ids."""
 

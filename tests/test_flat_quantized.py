@@ -8,22 +8,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.utils import _get_classes
 
 from kiviq.engine import Request, build_engine
 from kiviq.engine.flat_quantized import (FlatQuantizedEmbedding, FlatQuantizedLinear, flat_quantized_matmuls,
                                          flatten_quantized_matmuls, restore_quantized_matmuls)
-from tests.engine_runs import IdTokenizer, run_engine
-
-CONFIG = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512,
-              rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=True)
-
+from tests.engine_runs import IdTokenizer, run_engine, tiny_model
 
 def quantized_model():
-    model_cls, args_cls = _get_classes(CONFIG)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(CONFIG))
+    model = tiny_model()
     nn.quantize(model, group_size=64, bits=4)  # the tied head becomes a QuantizedEmbedding
     mx.eval(model.parameters())
     return model
@@ -80,9 +72,7 @@ def test_the_context_restores_only_what_it_flattened():
 
 
 def test_an_unquantized_model_is_left_alone():
-    model_cls, args_cls = _get_classes(CONFIG)
-    model = model_cls(args_cls.from_dict(CONFIG))
-    assert flatten_quantized_matmuls(model) == 0
+    assert flatten_quantized_matmuls(tiny_model()) == 0
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled"])

@@ -10,23 +10,18 @@ import types
 
 import mlx.core as mx
 import pytest
-from mlx_lm.utils import _get_classes
 
 import kiviq.engine.kv_store as kv_store_module
 from kiviq.engine import Request, build_engine
 from tests.engine_runs import IdTokenizer, run_engine
+from tests.engine_runs import tiny_model as tiny_llama
 
-CONFIG = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512,
-              rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=True)
 OPTIONS = dict(kv_bits=4, kv_group_size=16, kv_residual=32, kv_memory=64 << 20, max_sequences=4,
                compile_decode=False)
 
 
 def tiny_model():
-    model_cls, args_cls = _get_classes(CONFIG)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(CONFIG))
+    model = tiny_llama()
     mx.eval(model.parameters())
     return model
 

@@ -10,14 +10,11 @@ import numpy as np
 import pytest
 from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import _get_classes
 
 from kiviq.engine.kivi_cache import AttentionHook, KiviSequenceCache, kiviq_sdpa, make_store
 from kiviq.engine.kv_store import KVConfig
+from tests.engine_runs import tiny_model as tiny_llama
 
-BASE = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
-            num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, rope_theta=10000.0,
-            max_position_embeddings=4096, tie_word_embeddings=True)
 FAMILIES = {
     "llama": {},
     "mistral": {},  # mlx-lm maps it onto the llama implementation
@@ -27,10 +24,7 @@ FAMILIES = {
 
 
 def tiny_model(model_type: str):
-    config = dict(BASE, model_type=model_type, **FAMILIES[model_type])
-    model_cls, args_cls = _get_classes(config)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(config))
+    model = tiny_llama(model_type=model_type, **FAMILIES[model_type])
     mx.eval(model.parameters())
     return model
 

@@ -316,17 +316,11 @@ def test_a_prefill_step_holds_about_what_the_bare_model_holds():
     the end of the forward. (Left for the end, they made a SmolLM2 prefill step
     peak at 2.5x the bare model on the CPU, and a Qwen3-4B-shape step of 16k tokens
     at 22.3 GiB instead of 6.8 on an H100.)"""
-    from mlx_lm.utils import _get_classes
-
-    from engine_runs import IdTokenizer
+    from engine_runs import IdTokenizer, tiny_model
     from test_batch_engine import make_engine
 
-    config = dict(model_type="llama", hidden_size=256, num_hidden_layers=12, intermediate_size=512,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512,
-                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True)
-    model_cls, args_cls = _get_classes(config)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(config))
+    # Enough layers that keys and values held to the end would outweigh one layer's work.
+    model = tiny_model(hidden_size=256, num_hidden_layers=12, intermediate_size=512, head_dim=64)
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     rng = np.random.default_rng(0)
