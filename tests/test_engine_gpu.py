@@ -124,16 +124,20 @@ def test_compiled_pipelined_decode_equals_plain_with_kernel(gpu_model, table_wid
 
 @pytest.mark.parametrize("pipeline,compiled", [(False, False), (True, False), (True, True)])
 def test_decode_steps_write_the_tails_in_place_with_kernel(gpu_model, pipeline, compiled):
-    """Steady decode steps, flushes included, allocate less than one layer's tail
-    array: a write evaluated while a read of the same buffer is still pending on
-    the device (a pipelined step in flight, a flush's own read) makes MLX copy
-    the whole array. 512 slots make each tail array ~30 MiB."""
+    """Steady decode steps, flushes included, allocate less than half of one layer's
+    tail array: a write evaluated while a read of the same buffer is still pending on
+    the device (a pipelined step in flight, a flush's own read) makes MLX copy the
+    whole array. 2048 slots make each tail array 126 MB. What the steps may hold
+    besides: a B=4 step's own buffers (split-K partials, logits) were 8-9 MB (H100,
+    synchronized steps), and MLX frees them only once the device has run them, so up to
+    three steps' worth were alive at once (6-27 MB over 64 steps in every mode); at 512
+    slots (a 31 MB array) that came within 4 MB of the bound."""
     import mlx.core as mx
 
     from kiviq.engine import Request, build_engine
 
     model, tok = gpu_model
-    engine = build_engine(model, tok, kv_bits=4, kv_memory=2 << 30, max_sequences=512, pipeline=pipeline,
+    engine = build_engine(model, tok, kv_bits=4, kv_memory=8 << 30, max_sequences=2048, pipeline=pipeline,
                           compile_decode=compiled)
     ids = tok.encode(PROSE)
     for i in range(4):
