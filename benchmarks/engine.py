@@ -30,6 +30,7 @@ from benchmarks.common import kv_budget  # noqa: E402
 from kiviq.engine import Request, build_engine  # noqa: E402
 from kiviq.engine.flat_quantized import flat_quantized_matmuls  # noqa: E402
 from kiviq.engine.kivi_cache import attention_shape  # noqa: E402
+from kiviq.engine.model_loading import dequantize_layers, load  # noqa: E402
 from tests.engine_runs import IdTokenizer  # noqa: E402
 
 SHAPES = {
@@ -43,13 +44,18 @@ SHAPES = {
 }
 
 
-def random_model(shape: str, dtype, quantize: int | None):
+def random_model(shape: str, dtype, quantize: int | None, dequantize: bool = False):
+    """Random weights of `shape` in `dtype`; with `quantize`, quantized to that many bits,
+    and with `dequantize` then dequantized back to `dtype` as the loader does it on a GPU
+    (engine.model_loading.dequantize_layers): the quantized model's values, float matmuls."""
     model_cls, args_cls = _get_classes(SHAPES[shape])
     mx.random.seed(0)
     model = model_cls(args_cls.from_dict(SHAPES[shape]))
     model.set_dtype(dtype)
     if quantize:
         nn.quantize(model, group_size=64, bits=quantize)
+        if dequantize:
+            dequantize_layers(model, dtype)
     mx.eval(model.parameters())
     return model
 
@@ -160,6 +166,10 @@ def main() -> None:
                         "SmolLM2-135M-Instruct (engine.model_loading.load)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--quantize", type=int, default=None, help="quantize weights to this many bits")
+    p.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --model: as engine.model_loading.load(dequantize=...) (default: the loader's "
+                        "choice for this device); with --quantize: dequantize the quantized weights back "
+                        "to --dtype (default: keep them quantized)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--context", type=int, nargs="+", default=[512, 4096])
     p.add_argument("--gen", type=int, default=64)
@@ -183,14 +193,16 @@ def main() -> None:
     if not mx.metal.is_available() and not (hasattr(mx, "cuda") and mx.cuda.is_available()):
         print("note: no GPU backend; CPU numbers are not the target of this benchmark", file=sys.stderr)
     if args.model:
-        from kiviq.engine.model_loading import load
-        model = load(None if args.model == "smollm2" else args.model)[0]
+        model = load(None if args.model == "smollm2" else args.model, dequantize=args.dequantize)[0]
         vocab = model.args.vocab_size
-        what = f"{args.model} real weights, as engine.model_loading loads them"
+        kept = sum(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+        what = (f"{args.model} real weights, as engine.model_loading loads them (dequantize={args.dequantize}: "
+                f"{kept} quantized layers kept)")
     else:
-        model = random_model(args.shape, getattr(mx, args.dtype), args.quantize)
+        model = random_model(args.shape, getattr(mx, args.dtype), args.quantize, bool(args.dequantize))
         vocab = SHAPES[args.shape]["vocab_size"]
-        what = f"{args.shape} random weights, {args.dtype}, weights {args.quantize or 'unquantized'}"
+        weights = f"{args.quantize}-bit" + (", dequantized" if args.dequantize else "") if args.quantize else "unquantized"
+        what = f"{args.shape} random weights, {args.dtype}, weights {weights}"
     print(f"# {what}; greedy, {args.gen} new tokens; repeats {args.repeats} (min/median/max of decode tok/s)")
     print("| B | context | arm | decode tok/s (min/med/max) | TTFT all s (min / med) | peak GB | agreement vs batchgen |")
     print("|---|---|---|---|---|---|---|")

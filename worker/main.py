@@ -71,6 +71,7 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from kiviq.engine import build_engine, load  # heavy: mlx, mlx-lm
     from kiviq.engine.config import EngineConfig
+    from kiviq.engine.model_loading import weights_summary
 
     config = config if config is not None else EngineConfig()
 
@@ -97,6 +98,7 @@ def run_worker(model: str | None = None, redis_url: str | None = None, *, config
                            status=2) from e
     except RuntimeError as e:  # a repo id that would not load: network, or no such repo
         raise StartupError(f"--model: {e}") from e
+    log.info("model weights: %s", weights_summary(lm))
     try:
         engine = build_engine(lm, tokenizer, config)
     except ValueError as e:  # the flags do not fit this model: G or 2r vs its head_dim, the KV budget
