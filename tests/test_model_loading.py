@@ -138,7 +138,9 @@ def test_config_facts(loaded):
 
 
 def test_default_model_is_dequantized_to_the_device_dtype(loaded):
-    """float32 on a CPU; float16 on a GPU, where 135M parameters fit its dequantizing share."""
+    """float32 on a CPU; float16 on a CUDA GPU, where 135M parameters fit its dequantizing share."""
+    if ml._on_gpu() and not ml._on_cuda():
+        pytest.skip("Metal keeps quantized layers")
     model = loaded["model"]
     from mlx.utils import tree_flatten
 
@@ -167,11 +169,12 @@ def test_dequantized_bytes_count_every_quantized_weight():
 
 @pytest.mark.parametrize("room,expect", [(1.0, True), (0.5, False)])
 def test_a_gpu_dequantizes_what_fits_its_share(monkeypatch, room, expect):
-    """On a GPU the default dequantizes a model whose float16 weights fit
+    """On a CUDA GPU the default dequantizes a model whose float16 weights fit
     GPU_DEQUANTIZE_SHARE of the device's memory, and keeps a larger one quantized."""
     model = _tiny_quantized()
     need = ml.dequantized_bytes(model)
     monkeypatch.setattr(ml, "_on_gpu", lambda: True)
+    monkeypatch.setattr(ml, "_on_cuda", lambda: True)
     # A device whose share holds the float16 weights exactly (room 1) or half of them.
     monkeypatch.setattr(ml, "total_memory", lambda: int(need / ml.GPU_DEQUANTIZE_SHARE * room))
     assert ml._wants_dequantized(model) is expect
@@ -182,6 +185,16 @@ def test_a_gpu_dequantizes_what_fits_its_share(monkeypatch, room, expect):
     layer = model.model.layers[0].self_attn.q_proj
     assert layer.weight.dtype == (mx.float16 if expect else mx.uint32)
     assert model.model.norm.weight.dtype == mx.float16
+
+
+def test_metal_keeps_quantized_layers(monkeypatch):
+    """MLX's Metal quantized matmuls are its fast path: no dequantizing by default there."""
+    model = _tiny_quantized()
+    monkeypatch.setattr(ml, "_on_gpu", lambda: True)
+    monkeypatch.setattr(ml, "_on_cuda", lambda: False)
+    monkeypatch.setattr(ml, "total_memory", lambda: 1 << 40)
+    assert ml._wants_dequantized(model) is False
+    assert ml._wants_dequantized(model, dequantize=True) is True
 
 
 def test_weights_summary_says_what_the_loader_kept():

@@ -89,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="before taking jobs, run a short synthetic workload so that the first jobs pay no "
                         "kernel compiles (default: on where MLX runs on a GPU; the log says how long it took)")
     w.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the model's quantized layers dequantized (default: on a CPU; on a GPU when their "
-                        "float16 weights take at most a quarter of its memory)")
+                   help="run the model's quantized layers dequantized (default: on a CPU; on a CUDA GPU when "
+                        "their float16 weights take at most a quarter of its memory)")
     w.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; "
                         "default: none, not served)")
