@@ -325,7 +325,8 @@ import kiviq.engine
 import kiviq.engine.warmup
 from kiviq.engine.config import EngineConfig
 OOM = RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
-kiviq.engine.load = lambda *a, **k: (SimpleNamespace(args=SimpleNamespace(vocab_size=100)), object())
+MODEL = SimpleNamespace(args=SimpleNamespace(vocab_size=100), parameters=dict, named_modules=list)
+kiviq.engine.load = lambda *a, **k: (MODEL, object())
 def build_engine(lm, tokenizer, config):
     if sys.argv[1] == "store":
         raise OOM
