@@ -30,7 +30,7 @@ from benchmarks.common import kv_budget  # noqa: E402
 from kiviq.engine import Request, build_engine  # noqa: E402
 from kiviq.engine.flat_quantized import flat_quantized_matmuls  # noqa: E402
 from kiviq.engine.kivi_cache import attention_shape  # noqa: E402
-from kiviq.engine.model_loading import dequantize_layers, load  # noqa: E402
+from kiviq.engine.model_loading import dequantize_layers, load, weights_summary  # noqa: E402
 from tests.engine_runs import IdTokenizer  # noqa: E402
 
 SHAPES = {
@@ -195,9 +195,8 @@ def main() -> None:
     if args.model:
         model = load(None if args.model == "smollm2" else args.model, dequantize=args.dequantize)[0]
         vocab = model.args.vocab_size
-        kept = sum(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
         what = (f"{args.model} real weights, as engine.model_loading loads them (dequantize={args.dequantize}: "
-                f"{kept} quantized layers kept)")
+                f"{weights_summary(model)})")
     else:
         model = random_model(args.shape, getattr(mx, args.dtype), args.quantize, bool(args.dequantize))
         vocab = SHAPES[args.shape]["vocab_size"]
