@@ -180,7 +180,7 @@ def weights_summary(net: nn.Module) -> str:
     return f"{size_text}, {'/'.join(floats)}, {kept}"
 
 
-def _wants_dequantized(net: nn.Module | None = None, dequantize: bool | None = None) -> bool:
+def _wants_dequantized(net: nn.Module, dequantize: bool | None = None) -> bool:
     """Whether to dequantize `net`: `dequantize` if given; else on a CPU always; on a CUDA
     GPU where its float16 weights fit `GPU_DEQUANTIZE_SHARE` of the device's memory; on
     Metal never (MLX's Metal quantized matmuls are its fast path, and Apple's GPU memory
@@ -189,8 +189,7 @@ def _wants_dequantized(net: nn.Module | None = None, dequantize: bool | None = N
         return dequantize
     if not _on_gpu():
         return True
-    return (_on_cuda() and net is not None
-            and dequantized_bytes(net) <= GPU_DEQUANTIZE_SHARE * total_memory())
+    return _on_cuda() and dequantized_bytes(net) <= GPU_DEQUANTIZE_SHARE * total_memory()
 
 
 def _dequantize_affine(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
