@@ -47,6 +47,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -131,8 +132,10 @@ class ShapeLog:
                 f"{d[1]:.2f} s, {k[0]} of known shapes {k[1]:.2f} s")
 
 
-def run_engine(engine, prompts: list[list[int]], gen: int, shapes: ShapeLog | None = None) -> dict:
-    """Add every prompt at once and step until all are done; times the phases."""
+def run_engine(engine, prompts: list[list[int]], gen: int, shapes: ShapeLog | None = None,
+               on_step: Callable[[list], None] | None = None) -> dict:
+    """Add every prompt at once and step until all are done; times the phases.
+    ``on_step`` gets each step's events, as the worker's loop would."""
     mx.synchronize()
     start = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -149,6 +152,8 @@ def run_engine(engine, prompts: list[list[int]], gen: int, shapes: ShapeLog | No
         if shapes:
             shapes.step_done(now - before)
         before = now
+        if on_step is not None:
+            on_step(events)
         prefilling = bool(engine.scheduler.waiting or engine.scheduler.prefilling)
         for ev in events:
             if ev.finish_reason == "error":

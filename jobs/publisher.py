@@ -58,10 +58,16 @@ class EventPublisher:
     def publish(self, events: Sequence[StreamEvent | TokenEvent]) -> None:
         if not events:
             return
-        channels = "\n".join(event_channel(e.job_id) for e in events)
-        payloads = "\n".join(_stream_event(e).model_dump_json(exclude_none=True) for e in events)
-        _PUBLISH(keys=[replay_log(e.job_id) for e in events],
-                 args=[REPLAY_MAX_EVENTS, REPLAY_TTL_S, channels, payloads], client=self.redis)
+        keys, channels, payloads = encode_events(events)
+        _PUBLISH(keys=keys, args=[REPLAY_MAX_EVENTS, REPLAY_TTL_S, channels, payloads], client=self.redis)
+
+
+def encode_events(events: Sequence[StreamEvent | TokenEvent]) -> tuple[list[str], str, str]:
+    """A step's events as the publish script takes them: each event's replay log,
+    then the channels and the JSON events, each joined by newlines."""
+    channels = "\n".join(event_channel(e.job_id) for e in events)
+    payloads = "\n".join(_stream_event(e).model_dump_json(exclude_none=True) for e in events)
+    return [replay_log(e.job_id) for e in events], channels, payloads
 
 
 def _stream_event(event: StreamEvent | TokenEvent) -> StreamEvent:
