@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -203,8 +204,9 @@ def main() -> None:
         weights = f"{args.quantize}-bit" + (", dequantized" if args.dequantize else "") if args.quantize else "unquantized"
         what = f"{args.shape} random weights, {args.dtype}, weights {weights}"
     print(f"# {what}; greedy, {args.gen} new tokens; repeats {args.repeats} (min/median/max of decode tok/s)")
-    print("| B | context | arm | decode tok/s (min/med/max) | TTFT all s (min / med) | peak GB | agreement vs batchgen |")
-    print("|---|---|---|---|---|---|---|")
+    print("| B | context | arm | decode tok/s (min/med/max) | TTFT all s (min / med) | peak GB | agreement vs batchgen "
+          "| tokens of the first repeat (sha256; equal across processes on the same weights) |")
+    print("|---|---|---|---|---|---|---|---|")
     for b in args.batch:
         for ctx in args.context:
             arms = [("batchgen", lambda ps: run_batchgen(model, ps, args.gen))]
@@ -267,7 +269,7 @@ def main() -> None:
                     tokens.setdefault(name, out)
                     mx.clear_cache()
             for name, why in failed.items():
-                print(f"| {b} | {ctx} | {name} | failed: {why} | - | - | - |", flush=True)
+                print(f"| {b} | {ctx} | {name} | failed: {why} | - | - | - | - |", flush=True)
             arms = [(n, f) for n, f in arms if n not in failed]
             if not arms:
                 continue
@@ -282,8 +284,10 @@ def main() -> None:
                 ttft = f"{ttfts[0]:.2f} / {ttfts[len(ttfts) // 2]:.2f}"
                 peak = max(r[2] for r in results[name]) / 1e9
                 agree = sum(first_divergence(tokens[name][i], ref[i]) for i in ref) / len(ref)
+                digest = hashlib.sha256(repr(sorted(tokens[name].items())).encode()).hexdigest()[:12]
                 print(f"| {b} | {ctx} | {name} | {tps[0]:.0f} / {tps[len(tps) // 2]:.0f} / {tps[-1]:.0f} | "
-                      f"{ttft} | {peak:.1f} | mean first divergence {agree:.1f} of {args.gen}{vs} |", flush=True)
+                      f"{ttft} | {peak:.1f} | mean first divergence {agree:.1f} of {args.gen}{vs} | {digest} |",
+                      flush=True)
 
 
 if __name__ == "__main__":
