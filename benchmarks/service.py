@@ -23,8 +23,9 @@ the worker hold their model and KV memory at once. On a GPU each is held to
 worker's allocations failed beside the raw engine, whose MLX cache had grown to
 MLX's own limit (80% of the device). On an H200 each process's arrays peaked at
 44 GiB (8 GiB of weights, a 14.8 GiB KV store, 16,384-token steps); on an 80 GB
-card each gets 32.6 GiB, which was not yet tried: where a process runs out of
-memory there, give smaller steps (``--worker-arg=--max-batch-tokens=8192``).
+card each gets 31.9 GiB with a 9.9 GiB KV store (measured on an H100, paced prefill);
+where a process runs out of memory, give smaller steps
+(``--worker-arg=--max-batch-tokens=8192``).
 
 With 4 or more CPUs (``--split-cpus``, the default) the worker runs on the
 lower half of this process's CPUs and the client processes and Redis, which
@@ -37,8 +38,9 @@ Reported per run: generated and prompt tokens/s end to end, the time until
 every job had its first token (and the prompt tokens/s over it), TTFT p50/p99
 (from the start of the clock, or a live job's submission, to its first token
 event's arrival), inter-token latency p50/p99
-(from event arrival times; also only during the prefill burst), and the
-service/raw ratio. Checked, and failed loudly (exit status 1): every stream's
+(from event arrival times; also only during the prefill burst), the
+service/raw ratio, and how many of each half's CPUs were busy on average during
+each arm's run (``CpuBusy``: what the clients and Redis add beside the worker). Checked, and failed loudly (exit status 1): every stream's
 tokens and text equal its final result, and the service's tokens equal the raw
 engine's (greedy).
 
@@ -73,8 +75,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.service_measure import (CheckFailed, check_streams, compare_tokens, raw_run,  # noqa: E402
                                         service_run, summarize, worker_steps)
-from benchmarks.service_setup import (RedisProcess, WorkerProcess, default_model_dir, load_tokenizer,  # noqa: E402
-                                      make_prompts, pin_this_process, random_model_dir, split_cpus)
+from benchmarks.service_report import cpu_ranges, report  # noqa: E402
+from benchmarks.service_setup import (CpuBusy, RedisProcess, WorkerProcess, default_model_dir,  # noqa: E402
+                                      load_tokenizer, make_prompts, pin_this_process, random_model_dir, split_cpus)
 
 
 SHARED_GPU = 0.4  # of the device's memory, for each of the raw engine's and the worker's processes
@@ -289,10 +292,17 @@ def run_interleaved(args, wargs: list[str], model: dict, prompts: list[list[str]
     try:
         service_arm = ServiceArm(args, wargs, model, out)
         try:
+            sets = out["cpus"] or {"all": sorted(os.sched_getaffinity(0))}
+            out["cpu_sets"] = {name: len(cpus) for name, cpus in sets.items()}
+            busy = out.setdefault("cpu_busy", {"service": [], "raw": []})
             for run, run_prompts in enumerate(prompts):
-                service.append(service_arm.run(run, run_prompts))
+                with CpuBusy(sets) as cpus:
+                    service.append(service_arm.run(run, run_prompts))
+                busy["service"].append(cpus.cores)
                 if raw_arm is not None:
-                    raw.append(raw_arm.run(run, run_prompts))
+                    with CpuBusy(sets) as cpus:
+                        raw.append(raw_arm.run(run, run_prompts))
+                    busy["raw"].append(cpus.cores)
         finally:
             service_arm.close()
     finally:
@@ -378,76 +388,6 @@ def ratios(out: dict) -> dict:
     return res
 
 
-def _f(x, scale: float = 1.0, digits: int = 2) -> str:
-    return "-" if x is None else f"{x * scale:,.{digits}f}"
-
-
-def report(out: dict) -> str:
-    from benchmarks.common import table
-
-    header = ["arm", "run", "jobs", "prompt tok", "gen tok", "wall s", "gen tok/s", "prompt tok/s",
-              "all first tokens s", "prefill tok/s", "TTFT p50 / p99 s", "ITL p50 / p99 ms",
-              "ITL in prefill burst p50 / p99 ms"]
-    rows = []
-    for arm, runs in (("service", out["service"]), ("raw engine", out["raw"])):
-        for k, s in enumerate(runs):
-            rows.append([arm, f"{k + 1} ({'cold' if k == 0 else 'warm'})", s["requests"], f"{s['prompt_tokens']:,}",
-                         f"{s['generated_tokens']:,}", _f(s["wall_s"]), _f(s["generated_tok_s"], digits=1),
-                         _f(s["prompt_tok_s"], digits=0), _f(s["first_all_s"]), _f(s["prefill_tok_s"], digits=0),
-                         f"{_f(s['ttft_p50_s'])} / {_f(s['ttft_p99_s'])}",
-                         f"{_f(s['itl_p50_s'], 1e3, 1)} / {_f(s['itl_p99_s'], 1e3, 1)}",
-                         f"{_f(s['itl_burst_p50_s'], 1e3, 1)} / {_f(s['itl_burst_p99_s'], 1e3, 1)}"])
-    lines = [table(header, rows), ""]
-    r = out["ratios"]
-    names = {"service_over_raw_generated_tok_s": "service / raw engine, generated tok/s, last runs",
-             "service_over_raw_run1_generated_tok_s": "service / raw engine, generated tok/s, first runs",
-             "service_cold_over_warm_wall": "service first run / last run, wall time",
-             "service_cold_over_warm_first_tokens": "service first run / last run, time to all first tokens",
-             "raw_cold_over_warm_wall": "raw engine first run / last run, wall time"}
-    lines += [f"- {names[k]}: {v:.3f}" for k, v in r.items()]
-    for s_k, s in enumerate(out["service"]):
-        if "worker_ttft_p50_s" in s:
-            lines.append(f"- service run {s_k + 1}: worker-side TTFT (admitted -> first token) p50 "
-                         f"{s['worker_ttft_p50_s']:.3f} s, p99 {s['worker_ttft_p99_s']:.3f} s; queue time p50 "
-                         f"{s['worker_queue_p50_s']:.3f} s; client TTFT - worker's p50 "
-                         f"{s['client_extra_ttft_p50_s'] * 1e3:.1f} ms; token events < 1 ms after the previous one "
-                         f"{s['bunched_events']:.0%}; restarts {s['restarts']}; finish reasons {s['finish_reasons']}")
-    for arm, key in (("service", "service_steps"), ("raw engine", "raw_steps")):
-        for k, st in enumerate(out.get(key, [])):
-            wall = out["service" if arm == "service" else "raw"][k]["wall_s"]
-            n = int(st["steps"])
-            if n:
-                own = {phase: s for phase, s in st.items() if phase not in ("steps", "step_s", "outbox_publish")}
-                lines.append(f"- {arm} run {k + 1}: {n} engine steps, {st['step_s'] / n * 1e3:.2f} ms "
-                             f"each in the step (engine.step{' and its events' if arm == 'service' else ''}), "
-                             f"{wall / n * 1e3:.2f} ms apart over the run"
-                             + ("; the worker's own ms per step: " + ", ".join(
-                                 f"{phase} {s / n * 1e3:.2f}" for phase, s in own.items()) if own else "")
-                             + (f"; its outbox thread publishing {st['outbox_publish'] / n * 1e3:.2f} (off the "
-                                "engine's thread)" if "outbox_publish" in st else ""))
-    for name, c in out["checks"].items():
-        verdict = "not checked" if not c["checked"] else "ok" if c["ok"] else \
-            f"FAILED ({len(c['problems'])})" if c["exact"] else \
-            (f"{len(c['problems'])} requests differ; reported only: with --submit live or more jobs than "
-             "--max-active the worker groups prompts into prefill forwards otherwise than the raw engine, "
-             "and the engine's greedy tokens depend on that grouping")
-        lines.append(f"- check {name}: {verdict}")
-        if c["checked"] and not c["ok"] and not c["exact"]:
-            lines += [f"  - {p}" for p in c["problems"][:10]]
-    return "\n".join(lines)
-
-
-def _ranges(cpus: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    spans: list[list[int]] = []
-    for c in cpus:
-        if spans and c == spans[-1][1] + 1:
-            spans[-1][1] = c
-        else:
-            spans.append([c, c])
-    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from benchmarks.common import command, machine
@@ -460,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
           f"submission: {out['submit']}; client processes: {out['client_procs']}; worker registered after "
           f"{out['worker_ready_s']:.1f} s")
     cpus = out.get("cpus")
-    print(f"CPUs: the worker and the raw engine {_ranges(cpus['worker'])}, the clients and Redis {_ranges(cpus['load'])}"
+    print(f"CPUs: the worker and the raw engine {cpu_ranges(cpus['worker'])}, the clients and Redis {cpu_ranges(cpus['load'])}"
           if cpus else "CPUs: all shared (--no-split-cpus, or fewer than 4)")
     for line in out.get("warm_up_log", []):
         print(f"worker log: {line}")

@@ -64,6 +64,45 @@ def pin_this_process(cpus: set[int]) -> None:
             pass
 
 
+
+
+class CpuBusy:
+    """How many CPUs of each named set were busy on average while in use (from
+    /proc/stat: all time but idle and iowait), e.g. the worker's and the load's
+    during a run. ``cores`` maps each name to that average, or stays empty where
+    there is no /proc/stat."""
+
+    def __init__(self, sets: dict[str, list[int]]):
+        self.sets = {name: {f"cpu{c}" for c in cpus} for name, cpus in sets.items()}
+        self.cores: dict[str, float] = {}
+
+    def _jiffies(self) -> dict[str, tuple[int, int]] | None:
+        try:
+            lines = Path("/proc/stat").read_text().splitlines()
+        except OSError:
+            return None
+        per_cpu = {}
+        for line in lines:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit():
+                ticks = [int(x) for x in fields[:8]]  # user .. steal (guest time is inside user)
+                per_cpu[name] = (sum(ticks) - ticks[3] - ticks[4], sum(ticks))
+        return {name: (sum(per_cpu.get(c, (0, 0))[0] for c in cpus), sum(per_cpu.get(c, (0, 0))[1] for c in cpus))
+                for name, cpus in self.sets.items()}
+
+    def __enter__(self) -> "CpuBusy":
+        self._start = self._jiffies()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = self._jiffies()
+        if self._start is None or end is None:
+            return
+        for name, cpus in self.sets.items():
+            busy, total = (e - s for e, s in zip(end[name], self._start[name]))
+            if total > 0:
+                self.cores[name] = busy / total * len(cpus)
+
 # ---------------------------------------------------------------- Redis
 
 _REDIS_CHILD = """

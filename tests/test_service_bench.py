@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,22 @@ def test_pin_this_process_moves_threads_already_running():
     assert seen == [one]
 
 
+def test_cpu_busy_counts_a_spinning_cpu_as_busy():
+    from benchmarks.service_setup import CpuBusy, pin_this_process
+
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    pin_this_process({cpu})
+    try:
+        with CpuBusy({"spun": [cpu], "none": []}) as busy:
+            end = time.perf_counter() + 0.3
+            while time.perf_counter() < end:
+                pass
+    finally:
+        pin_this_process(before)
+    assert 0.8 <= busy.cores["spun"] <= 1.0 and "none" not in busy.cores
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="the benchmark needs a redis-server binary")
 def test_the_benchmark_runs_the_whole_path_and_its_checks_hold(tmp_path):
@@ -129,6 +146,11 @@ def test_the_benchmark_runs_the_whole_path_and_its_checks_hold(tmp_path):
     for steps in res["service_steps"]:  # the worker's own loop, by phase (worker_loop_seconds_total)
         assert steps["publish"] > 0 and steps["cancel_check"] > 0
     assert "engine steps," in proc.stdout and "the worker's own ms per step: publish" in proc.stdout
+    # What ran on which CPUs during each run, per arm (all of them below 4 CPUs).
+    assert len(res["cpu_busy"]["service"]) == len(res["cpu_busy"]["raw"]) == 2
+    for cores in res["cpu_busy"]["service"] + res["cpu_busy"]["raw"]:
+        assert set(cores) == set(res["cpu_sets"]) and all(0 < n <= res["cpu_sets"][k] for k, n in cores.items())
+    assert "service run 1: CPUs busy on average: " in proc.stdout and "raw engine run 2: CPUs busy" in proc.stdout
     # Run by run: each service run is followed by the raw engine's on the same requests.
     order = [proc.stdout.index(f"{arm} run {k}: ") for k in (1, 2) for arm in ("service", "raw engine")]
     assert order == sorted(order)
