@@ -40,9 +40,9 @@ every job had its first token (and the prompt tokens/s over it), TTFT p50/p99
 event's arrival), inter-token latency p50/p99
 (from event arrival times; also only during the prefill burst), the
 service/raw ratio, and how many of each half's CPUs were busy on average during
-each arm's run (``CpuBusy``: what the clients and Redis add beside the worker). Checked, and failed loudly (exit status 1): every stream's
-tokens and text equal its final result, and the service's tokens equal the raw
-engine's (greedy).
+each arm's run (``CpuBusy``: what the clients and Redis add beside the worker).
+Checked, and failed loudly (exit status 1): every stream's tokens and text equal
+its final result, and the service's tokens equal the raw engine's (greedy).
 
     python benchmarks/service.py --jobs 4 --prompt-tokens 64 --gen 16 --runs 2            # CPU smoke, SmolLM2
     python3 benchmarks/service.py --shape qwen3-4b --jobs 64 --prompt-tokens 1200 --gen 256 --runs 2 \\
@@ -400,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
           f"submission: {out['submit']}; client processes: {out['client_procs']}; worker registered after "
           f"{out['worker_ready_s']:.1f} s")
     cpus = out.get("cpus")
-    print(f"CPUs: the worker and the raw engine {cpu_ranges(cpus['worker'])}, the clients and Redis {cpu_ranges(cpus['load'])}"
+    print(f"CPUs: the worker and the raw engine {cpu_ranges(cpus['worker'])}, "
+          f"the clients and Redis {cpu_ranges(cpus['load'])}"
           if cpus else "CPUs: all shared (--no-split-cpus, or fewer than 4)")
     for line in out.get("warm_up_log", []):
         print(f"worker log: {line}")
