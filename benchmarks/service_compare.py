@@ -5,8 +5,9 @@ build, and prints one row per build over the warm runs (run 1 of a process is
 its first after the warm-up and is reported apart): generated tokens/s through
 the service and the raw engine, the service/raw ratio of each run, the worker's
 time between steps, its ``engine.step`` against the raw engine's, the worker's
-own time on the engine's thread, and the first run against the process's warm
-runs. With two builds it adds permutation tests of the ratio: the share of
+own time on the engine's thread, the first run against the process's warm
+runs, the decode phase (after every job had its first token) of both, and how
+many of the load's CPUs (clients, Redis) were busy during each arm's runs. With two builds it adds permutation tests of the ratio: the share of
 relabellings whose difference of means is at least the observed one, with the
 runs as samples and with each process's mean as one. On the H200 host the same
 build's runs spread 0.7-1.2 in ratio with the host's speed (docs/performance.md,
@@ -38,6 +39,8 @@ def run_rows(result: dict) -> list[dict]:
     """Per run of one process: its figures (times in ms per engine step)."""
     service, raw = result["service"], result["raw"]
     steps, raw_steps = result["service_steps"], result["raw_steps"]
+    busy = result.get("cpu_busy", {})
+    load = [[cores.get("load") for cores in busy.get(arm, [])] for arm in ("service", "raw")]
     rows = []
     for i, (s, r, st, rst) in enumerate(zip(service, raw, steps, raw_steps)):
         n = st["steps"]
@@ -53,8 +56,21 @@ def run_rows(result: dict) -> list[dict]:
             "ttft_p50_s": s["ttft_p50_s"],
             "wall_s": s["wall_s"],
             "first_all_s": s["first_all_s"],
+            # after every job had its first token: where the service's slower steps show
+            "decode_s": s["wall_s"] - s["first_all_s"],
+            "raw_decode_s": r["wall_s"] - r["first_all_s"],
+            "load_busy": tuple(arm[i] if i < len(arm) else None for arm in load),
         })
     return rows
+
+
+def load_cell(warm: list[dict]) -> str:
+    """Median busy load CPUs (clients, Redis) during the service's and the raw engine's
+    runs; '-' for files from before service.py measured them."""
+    pairs = [r["load_busy"] for r in warm]
+    if any(None in pair for pair in pairs):
+        return "-"
+    return " / ".join(f"{statistics.median(pair[k] for pair in pairs):.2f}" for k in (0, 1))
 
 
 def first_run_ratios(rows: list[dict]) -> tuple[float, float] | None:
@@ -110,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     builds = parse_builds(args.builds)
     header = ["build", "processes", "warm runs", "service tok/s min / median / max", "raw tok/s min / median / max",
               "service / raw min / median / max", "between steps ms", "step vs raw ms", "worker's own ms",
-              "TTFT p50 s", "first run / warm: whole, to all first tokens"]
+              "TTFT p50 s", "first run / warm: whole, to all first tokens",
+              "decode phase s, median: service / raw", "load CPUs busy, median: service / raw"]
     rows, ratios, process_ratios = [], {}, {}
     for label, paths in builds.items():
         per_process = [run_rows(json.loads(path.read_text())) for path in paths]
@@ -126,7 +143,9 @@ def main(argv: list[str] | None = None) -> None:
                      spread([r["between_ms"] for r in warm], ".2f"), spread([r["step_vs_raw_ms"] for r in warm], "+.2f"),
                      spread([r["own_ms"] for r in warm], ".2f"),
                      f"{min(r['ttft_p50_s'] for r in warm):.2f}-{max(r['ttft_p50_s'] for r in warm):.2f}",
-                     ", ".join(f"{w:.2f}x / {a:.2f}x" for w, a in firsts) or "-"])
+                     ", ".join(f"{w:.2f}x / {a:.2f}x" for w, a in firsts) or "-",
+                     f"{statistics.median(r['decode_s'] for r in warm):.2f} / "
+                     f"{statistics.median(r['raw_decode_s'] for r in warm):.2f}", load_cell(warm)])
     print(table(header, rows))
     if len(ratios) == 2:
         (la, a), (lb, b) = ratios.items()
