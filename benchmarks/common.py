@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -107,6 +108,13 @@ def table(header: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def spread(values: list[float], fmt: str) -> str:
+    """'min / median / max' of ``values``, each formatted with ``fmt``; '-' for none."""
+    if not values:
+        return "-"
+    return " / ".join(format(v, fmt) for v in (min(values), statistics.median(values), max(values)))
 
 
 def mib(n: int | float) -> str:

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from benchmarks.common import command, machine, table  # noqa: E402
+from benchmarks.common import command, machine, spread, table  # noqa: E402
 from benchmarks.engine import SHAPES, random_model  # noqa: E402
 from benchmarks.prefill import make_prompts, run_engine  # noqa: E402
 from benchmarks.service_setup import pin_this_process, split_cpus  # noqa: E402
@@ -120,10 +120,6 @@ def parse_arm(arm: str) -> tuple[str, int]:
     raise argparse.ArgumentTypeError(f"unknown arm {arm!r}: use none, outbox or load:N (N busy processes)")
 
 
-def spread(values: list[float], digits: int = 2) -> str:
-    return " / ".join(f"{v:.{digits}f}" for v in (min(values), statistics.median(values), max(values)))
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="qwen3-4b", choices=sorted(SHAPES))
@@ -174,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"round {rnd}: the arms gave different tokens ({sorted(digests)})")
     print(f"\n{args.requests} requests x ~{args.prompt_tokens} prompt tokens x {args.gen} new, {args.shape} "
           f"{args.dtype}, KIVI 4-bit; {args.rounds} rounds, every round's arms gave the same tokens\n")
-    rows = [[label, len(decode[label]), spread(decode[label]), spread(first[label])] for label in names]
+    rows = [[label, len(decode[label]), spread(decode[label], ".2f"), spread(first[label], ".2f")] for label in names]
     print(table(["arm", "runs", "decode ms / step: min / median / max", "all first tokens s: min / median / max"],
                 rows))
     if encode:

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import command, device_trace, host_probe, machine, run_in_trees, table  # noqa: E402
+from benchmarks.common import command, device_trace, host_probe, machine, run_in_trees, spread, table  # noqa: E402
 from benchmarks.engine import SHAPES, random_model  # noqa: E402
 from kiviq.engine import Request, build_engine  # noqa: E402
 from tests.engine_runs import IdTokenizer  # noqa: E402
@@ -202,9 +202,6 @@ def across_processes(args) -> None:
     gave the same tokens."""
     print(f"# {command()}\n# {machine()}\n")
     results = run_in_trees("prefill.py", args.trees, args.processes)
-
-    def spread(xs: list[float], fmt: str) -> str:
-        return " / ".join(format(x, fmt) for x in (min(xs), statistics.median(xs), max(xs))) if xs else "-"
 
     rows = []
     for name, procs in results.items():

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import table  # noqa: E402
+from benchmarks.common import spread, table  # noqa: E402
 
 
 def run_rows(result: dict) -> list[dict]:
@@ -81,10 +81,6 @@ def first_run_ratios(rows: list[dict]) -> tuple[float, float] | None:
         return None
     return (first[0]["wall_s"] / statistics.median(r["wall_s"] for r in warm),
             first[0]["first_all_s"] / statistics.median(r["first_all_s"] for r in warm))
-
-
-def spread(values: list[float], fmt: str) -> str:
-    return " / ".join(format(v, fmt) for v in (min(values), statistics.median(values), max(values)))
 
 
 def permutation_p(a: list[float], b: list[float], rounds: int = 20000, seed: int = 0) -> float:
