@@ -12,8 +12,8 @@ Two things the service brings besides its own loop can be measured without it:
   service benchmark runs beside the worker: its client processes and Redis.
 - ``outbox``: a thread of this process that, after every step, encodes the
   step's token events as the worker's outbox thread does
-  (``kiviq.jobs.publisher.encode_events``) and then sleeps as long as its two
-  Redis round trips take on a local server (``--round-trip-ms``). It holds the
+  (``kiviq.jobs.publisher.encode_events``) and then sleeps as long as its
+  Redis round trip (one script call) takes on a local server (``--round-trip-ms``). It holds the
   GIL for the encoding, as the outbox does, while the engine's thread builds
   and launches the next step.
 
@@ -76,7 +76,7 @@ class Spinners:
 
 class OutboxStandIn:
     """A thread encoding each step's token events as the worker's outbox does,
-    then waiting ``round_trip_s`` twice (the publish script, the cancel-flag check)."""
+    then waiting ``round_trip_s`` (the step script: publish, cancel flags, queues)."""
 
     def __init__(self, round_trip_s: float):
         self.round_trip_s = round_trip_s
@@ -107,7 +107,6 @@ class OutboxStandIn:
             if events:
                 encode_events(events)
             self.encode_s.append(time.perf_counter() - start)
-            time.sleep(self.round_trip_s)
             time.sleep(self.round_trip_s)
 
 

@@ -20,11 +20,10 @@ longer the steps took than that: what the worker's other threads cost the engine
     python benchmarks/worker_loop.py --jobs 64 --gen 256 --profile    # where the time goes
     python benchmarks/worker_loop.py --jobs 64 --runs 0 --parts --steps 400
 
-``--parts`` times the two Redis calls the worker makes every step on their own, as
-it makes them: publishing one token event per running job
-(``jobs.publisher.EventPublisher``) and the cancel check
-(``worker.outbox.flagged_for_cancel`` over ``--jobs`` running jobs). Both run on
-the worker's outbox thread.
+``--parts`` times the Redis call the worker makes every step, as it makes it
+(``jobs.publisher.EventPublisher.publish_and_check``: one token event per running
+job published, then the cancel flags of ``--jobs`` running jobs read), and each of
+its two halves alone. It runs on the worker's outbox thread.
 """
 
 from __future__ import annotations
@@ -41,14 +40,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from redis import Redis  # noqa: E402
 
-from benchmarks.common import command, table  # noqa: E402
+from benchmarks.common import command, spread, table  # noqa: E402
 from kiviq import Client  # noqa: E402
 from kiviq.client.local_redis import start_redis  # noqa: E402
 from kiviq.engine.request import StepEvent  # noqa: E402
-from kiviq.jobs.models import EventType, StreamEvent  # noqa: E402
+from kiviq.jobs.models import TokenEvent  # noqa: E402
 from kiviq.jobs.publisher import EventPublisher  # noqa: E402
 from kiviq.worker.metrics import WorkerMetrics  # noqa: E402
-from kiviq.worker.outbox import flagged_for_cancel  # noqa: E402
 from kiviq.worker.service import BatchWorker  # noqa: E402
 
 
@@ -159,27 +157,31 @@ def loop_runs(args, url: str, listener) -> tuple[list[list], Any]:
 
 
 def part_costs(args, url: str, listener, warmup: int = 50) -> list[list]:
-    """``--parts``: ms per call of the step's publish and cancel check."""
+    """``--parts``: per call of the step's publish and cancel check, together and
+    apart: its wall time, and its thread's CPU time (what it holds the GIL for,
+    the redis-server's work and the round trip left out), in ms."""
     redis = Redis.from_url(url)
     jobs = [f"{i:08x}-5c1e-4c6b-9a8e-{i:012x}" for i in range(args.jobs)]
     publisher = EventPublisher(redis)
 
-    def publish(step: int) -> None:
-        publisher.publish([StreamEvent(job_id=j, seq=step, type=EventType.token, text=" the", token_ids=[279])
-                           for j in jobs])
-        if step % 50 == 0:
-            drain(listener)
+    def publish(step: int, running: list[str]) -> None:
+        # The engine's thread hands a step's token events over as tuples.
+        publisher.publish_and_check([TokenEvent(j, step, " the", [279]) for j in jobs], running)
 
     rows = []
-    for name, fn in (("publish the step's events", publish), ("cancel check", lambda _: flagged_for_cancel(redis, jobs))):
-        ms = []
+    for name, fn in (("the step's call: publish and cancel check", lambda i: publish(i, jobs)),
+                     ("publish the step's events", lambda i: publish(i, [])),
+                     ("cancel check", lambda _: publisher.publish_and_check([], jobs))):
+        wall, cpu = [], []
         for i in range(warmup + args.steps):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             fn(i)
             if i >= warmup:
-                ms.append((time.perf_counter() - t) * 1e3)
-        ms.sort()
-        rows.append([name, f"{ms[0]:.2f} / {statistics.median(ms):.2f} / {ms[-1]:.2f}"])
+                wall.append((time.perf_counter() - t) * 1e3)
+                cpu.append((time.thread_time() - c) * 1e3)
+            if i % 50 == 0:
+                drain(listener)
+        rows.append([name, spread(wall, ".2f"), spread(cpu, ".3f")])
     return rows
 
 
@@ -227,7 +229,8 @@ def main() -> None:
                      "ms a step took past its own, median / p90"], rows))
     if parts:
         print(f"\none call per engine step, {args.steps} steps\n")
-        print(table(["per engine step", "ms min / median / max"], parts))
+        print(table(["per engine step", "wall ms: min / median / max", "its thread's CPU ms: min / median / max"],
+                    parts))
     if profile is not None:
         import pstats
 

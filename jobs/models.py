@@ -163,8 +163,8 @@ class StreamEvent(BaseModel):
 class TokenEvent(NamedTuple):
     """A token event as the worker's engine thread hands it over: a tuple costs
     ~0.3 us to make where a validated StreamEvent costs ~1.7 (a decode step makes
-    one per running job); ``EventPublisher`` turns it into its StreamEvent on the
-    publishing thread."""
+    one per running job); ``EventPublisher`` writes it as its StreamEvent's JSON on
+    the publishing thread."""
 
     job_id: str
     seq: int

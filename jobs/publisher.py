@@ -1,50 +1,71 @@
-"""Write stream events to Redis: one script call per engine step for all jobs."""
+"""Write stream events to Redis and read what the worker asks after each step:
+one script call per engine step for all jobs."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from json.encoder import encode_basestring as _json_string
 
 from redis import Redis
 from redis.commands.core import Script
 
-from kiviq.jobs.keys import event_channel, replay_log
+from kiviq.jobs.keys import cancel_flag, event_channel, replay_log
 from kiviq.jobs.models import StreamEvent, TokenEvent
 from kiviq.jobs.streams import REPLAY_MAX_EVENTS, REPLAY_TTL_S
 
-# KEYS: each event's replay log. ARGV: the log's cap and TTL, then every event's
-# channel and every event's JSON, each list joined by newlines (a channel name
-# holds none, and JSON escapes them in strings): four arguments whatever the
-# batch, where redis-py would encode two per event on the publishing thread.
+# ARGV: the logs' cap and TTL; the prefixes of a job's replay log, event channel and
+# cancel flag (kiviq.jobs.keys); then, each list joined by newlines (a job id holds
+# none, and JSON escapes them in strings): the events' job ids, the events' JSON, the
+# running jobs' ids and the queues' keys. Nine arguments whatever the batch: redis-py
+# encodes each argument in Python (~1.5 us), on the thread that shares the GIL with
+# the engine's, and a step's keys by name were ~130 of them at B=64.
 # Each event goes into its log before it is published (and the script runs
 # atomically besides), so a reader that wakes on the message finds the event in
-# the log; then every log named is capped and its TTL renewed.
-_PUBLISH_SCRIPT = """
+# the log; then every log named is capped and its TTL renewed. Then the step's
+# questions: which running jobs a client wants cancelled, and whether a queue holds
+# a job. Returns {events written, the flagged job ids, 1 if a queue holds a job}.
+_STEP_SCRIPT = """
 local cap, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
-local channels, events = {}, {}
-for c in string.gmatch(ARGV[3], "[^\\n]+") do channels[#channels + 1] = c end
-for e in string.gmatch(ARGV[4], "[^\\n]+") do events[#events + 1] = e end
-for i = 1, #KEYS do
-  redis.call('RPUSH', KEYS[i], events[i])
-  redis.call('PUBLISH', channels[i], events[i])
+local log, channel, cancel = ARGV[3], ARGV[4], ARGV[5]
+local function lines(s)
+  local t = {}
+  for x in string.gmatch(s, "[^\\n]+") do t[#t + 1] = x end
+  return t
 end
-for i = 1, #KEYS do
-  if i == 1 or KEYS[i] ~= KEYS[i - 1] then
-    redis.call('LTRIM', KEYS[i], -cap, -1)
-    redis.call('EXPIRE', KEYS[i], ttl)
+local ids, events = lines(ARGV[6]), lines(ARGV[7])
+for i = 1, #ids do
+  redis.call('RPUSH', log .. ids[i], events[i])
+  redis.call('PUBLISH', channel .. ids[i], events[i])
+end
+for i = 1, #ids do
+  if i == 1 or ids[i] ~= ids[i - 1] then
+    redis.call('LTRIM', log .. ids[i], -cap, -1)
+    redis.call('EXPIRE', log .. ids[i], ttl)
   end
 end
-return #KEYS
+local flagged = {}
+for _, id in ipairs(lines(ARGV[8])) do
+  if redis.call('EXISTS', cancel .. id) == 1 then flagged[#flagged + 1] = id end
+end
+local queued = 0
+for _, key in ipairs(lines(ARGV[9])) do
+  if redis.call('LLEN', key) > 0 then
+    queued = 1
+    break
+  end
+end
+return {#ids, flagged, queued}
 """
 
 # Sent by SHA once loaded (redis-py's Script falls back to EVAL when a server lacks it).
-_PUBLISH = Script(None, _PUBLISH_SCRIPT.encode())
+_STEP = Script(None, _STEP_SCRIPT.encode())
 
 
 class EventPublisher:
     """Appends events to each job's replay log and publishes them live.
 
     One round trip and one command per step, whatever the batch: redis-py's
-    work grows with the commands it packs, and the worker does it between two
+    work grows with the arguments it encodes, and the worker does it beside
     host-bound decode steps (docs/performance.md, "The worker's Redis work").
     """
 
@@ -56,19 +77,41 @@ class EventPublisher:
         return int(self.redis.llen(replay_log(job_id)))
 
     def publish(self, events: Sequence[StreamEvent | TokenEvent]) -> None:
-        if not events:
-            return
-        keys, channels, payloads = encode_events(events)
-        _PUBLISH(keys=keys, args=[REPLAY_MAX_EVENTS, REPLAY_TTL_S, channels, payloads], client=self.redis)
+        if events:
+            self.publish_and_check(events)
+
+    def publish_and_check(self, events: Sequence[StreamEvent | TokenEvent], running: Sequence[str] = (),
+                          queue_keys: Sequence[str] = ()) -> tuple[set[str], bool]:
+        """Publish a step's ``events``, then ask which of the ``running`` jobs have
+        their cancel flag set and whether any of ``queue_keys`` holds a job; one
+        round trip, none when there is nothing to write or ask."""
+        if not events and not running and not queue_keys:
+            return set(), False
+        ids, payloads = encode_events(events)
+        _, flagged, queued = _STEP(args=[REPLAY_MAX_EVENTS, REPLAY_TTL_S, replay_log(""), event_channel(""),
+                                         cancel_flag(""), ids, payloads, "\n".join(running), "\n".join(queue_keys)],
+                                   client=self.redis)
+        return {f.decode() if isinstance(f, bytes) else f for f in flagged}, bool(queued)
 
 
-def encode_events(events: Sequence[StreamEvent | TokenEvent]) -> tuple[list[str], str, str]:
-    """A step's events as the publish script takes them: each event's replay log,
-    then the channels and the JSON events, each joined by newlines."""
-    channels = "\n".join(event_channel(e.job_id) for e in events)
-    payloads = "\n".join(_stream_event(e).model_dump_json(exclude_none=True) for e in events)
-    return [replay_log(e.job_id) for e in events], channels, payloads
+def encode_events(events: Sequence[StreamEvent | TokenEvent]) -> tuple[str, str]:
+    """A step's events as the step script takes them: the events' job ids and
+    their JSON, each joined by newlines."""
+    return "\n".join(e.job_id for e in events), "\n".join(event_json(e) for e in events)
 
 
-def _stream_event(event: StreamEvent | TokenEvent) -> StreamEvent:
-    return event.stream_event() if isinstance(event, TokenEvent) else event
+def event_json(event: StreamEvent | TokenEvent) -> str:
+    """An event as ``StreamEvent.model_dump_json(exclude_none=True)`` spells it.
+
+    A plain token event (no logprobs: nearly every event of a decode step) is
+    formatted directly: building and dumping a validated StreamEvent per event
+    took ~4 us, 0.25 ms a step at B=64, on the outbox thread, which holds the GIL
+    for it while the engine's thread waits to build the next step. The stdlib's C
+    string encoder escapes as pydantic does (tests/test_publisher.py).
+    """
+    if isinstance(event, TokenEvent):
+        if event.logprobs is None:
+            return (f'{{"job_id":{_json_string(event.job_id)},"seq":{event.seq:d},"type":"token",'
+                    f'"text":{_json_string(event.text)},"token_ids":[{",".join(map(str, event.token_ids))}]}}')
+        event = event.stream_event()
+    return event.model_dump_json(exclude_none=True)

@@ -224,8 +224,9 @@ class WorkerMetrics:
         self.step_time = histogram("step_duration_seconds", "Duration of one engine step.", STEP_BUCKETS)
         self.loop_time = counter("worker_loop_seconds_total", "Seconds of the worker's own work around engine "
                                  "steps while jobs run, by phase (PhaseClock).", ("phase",), seed=LOOP_PHASES)
-        self.outbox_time = histogram("outbox_publish_seconds", "One step's events published to Redis by the outbox "
-                                     "thread (off the engine's thread).", STEP_BUCKETS)
+        self.outbox_time = histogram("outbox_publish_seconds", "One step's Redis call by the outbox thread (off the "
+                                     "engine's thread): its events published, cancel flags and "
+                                     "queues read.", STEP_BUCKETS)
         self.prompt_len = histogram("request_prompt_tokens", "Prompt tokens per ended request.", TOKEN_COUNT_BUCKETS)
         self.gen_len = histogram("request_generation_tokens", "Generated tokens per ended request.",
                                  TOKEN_COUNT_BUCKETS)

@@ -2,8 +2,9 @@
 
 Every engine step the worker publishes one event per running job, asks Redis
 which of its jobs a client wants cancelled and, with free slots, whether jobs
-wait in its queues; a job that ended needs rq's bookkeeping (its result, its
-registries, its claim's release). Done on the engine's thread, those round
+wait in its queues, all in one script call
+(``EventPublisher.publish_and_check``); a job that ended needs rq's bookkeeping
+(its result, its registries, its claim's release). Done on the engine's thread, those round
 trips add to every decode step, and a decode step is host-bound: the device
 waits for them. MLX releases the GIL while it launches and runs a step
 (``mx.eval`` / ``mx.async_eval``), so on this thread the previous step's
@@ -33,7 +34,6 @@ from typing import Any
 
 import redis
 
-from kiviq.jobs.keys import cancel_flag
 from kiviq.jobs.publisher import EventPublisher
 from kiviq.jobs.models import StreamEvent, TokenEvent
 
@@ -41,35 +41,6 @@ log = logging.getLogger("kiviq.worker")
 
 REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 MAX_BACKOFF_S = 10.0
-
-
-def flagged_for_cancel(connection: redis.Redis, job_ids: Sequence[str]) -> set[str]:
-    """The jobs among ``job_ids`` whose cancel flag is set. One EXISTS over every
-    flag answers the usual case (none) in one command; only then is each asked."""
-    return step_checks(connection, job_ids, ())[0]
-
-
-def step_checks(connection: redis.Redis, job_ids: Sequence[str], queue_keys: Sequence[str]) -> tuple[set[str], bool]:
-    """The jobs among ``job_ids`` whose cancel flag is set, and whether any of
-    ``queue_keys`` holds a job, in one round trip for the usual case (no flag
-    set); none when there is nothing to ask."""
-    if not job_ids and not queue_keys:
-        return set(), False
-    with connection.pipeline(transaction=False) as pipe:
-        if job_ids:
-            pipe.exists(*(cancel_flag(job_id) for job_id in job_ids))
-        for key in queue_keys:
-            pipe.llen(key)
-        replies = pipe.execute()
-    flagged = replies[0] if job_ids else 0
-    queued = any(replies[1 if job_ids else 0:])
-    if not flagged:
-        return set(), queued
-    with connection.pipeline(transaction=False) as pipe:
-        for job_id in job_ids:
-            pipe.exists(cancel_flag(job_id))
-        flags = pipe.execute()
-    return {job_id for job_id, flag in zip(job_ids, flags) if flag}, queued
 
 
 @dataclass
@@ -215,21 +186,22 @@ class Outbox:
                 self._cond.notify_all()
 
     def _deliver(self, put: _Put) -> tuple[set[str], bool] | None:
-        """Publish, record the endings, then read cancel flags (and queue lengths);
-        retry with backoff while Redis is away, never repeating a publish or an ending that completed."""
-        backoff, published, recorded = 0.5, False, 0
+        """Publish and read the cancel flags (and queue lengths) in one call, then
+        record the endings; retry with backoff while Redis is away, never repeating
+        a publish or an ending that completed."""
+        backoff, checked, recorded = 0.5, None, 0
         while True:
             try:
-                if not published:
+                if checked is None:
                     started = time.perf_counter()
-                    self.publisher.publish(put.events)
-                    published = True
+                    checked = self.publisher.publish_and_check(
+                        put.events, put.active_ids, self.queue_keys if put.ask_queues else ())
                     if self.on_publish is not None and put.events:
                         self.on_publish(time.perf_counter() - started)
                 while recorded < len(put.endings):
                     put.endings[recorded][1]()
                     recorded += 1
-                return step_checks(self.connection, put.active_ids, self.queue_keys if put.ask_queues else ())
+                return checked
             except REDIS_DOWN as e:
                 self._last_redis_error = e
                 log.error("Redis unreachable while publishing (%s); retrying in %.1f s", type(e).__name__, backoff)
