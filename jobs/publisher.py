@@ -24,7 +24,9 @@ from kiviq.jobs.streams import REPLAY_MAX_EVENTS, REPLAY_TTL_S
 # the log; then every log named is capped and its TTL renewed. Then the step's
 # questions: which running jobs a client wants cancelled, and whether a queue holds
 # a job. Returns {events written, the flagged job ids, 1 if a queue holds a job}.
-_STEP_SCRIPT = """
+# Redis and Valkey let a script name keys it was not given; the first line, a Lua
+# comment, asks the same of Dragonfly (which refuses them by default).
+_STEP_SCRIPT = """--!df flags=allow-undeclared-keys
 local cap, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 local log, channel, cancel = ARGV[3], ARGV[4], ARGV[5]
 local function lines(s)
