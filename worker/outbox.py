@@ -4,9 +4,9 @@ Every engine step the worker publishes one event per running job, asks Redis
 which of its jobs a client wants cancelled and, with free slots, whether jobs
 wait in its queues, all in one script call
 (``EventPublisher.publish_and_check``); a job that ended needs rq's bookkeeping
-(its result, its registries, its claim's release). Done on the engine's thread, those round
-trips add to every decode step, and a decode step is host-bound: the device
-waits for them. MLX releases the GIL while it launches and runs a step
+(its result, its registries, its claim's release). Done on the engine's thread,
+those round trips add to every decode step, and a decode step is host-bound:
+the device waits for them. MLX releases the GIL while it launches and runs a step
 (``mx.eval`` / ``mx.async_eval``), so on this thread the previous step's
 traffic overlaps the next step instead (docs/performance.md, "The whole
 service on the bulk workload").
