@@ -12,10 +12,10 @@ Two things the service brings besides its own loop can be measured without it:
   service benchmark runs beside the worker: its client processes and Redis.
 - ``outbox``: a thread of this process that, after every step, encodes the
   step's token events as the worker's outbox thread does
-  (``kiviq.jobs.publisher.encode_events``) and then sleeps as long as its
-  Redis round trip (one script call) takes on a local server (``--round-trip-ms``). It holds the
-  GIL for the encoding, as the outbox does, while the engine's thread builds
-  and launches the next step.
+  (``kiviq.jobs.publisher.encode_events``) and then sleeps as long as its Redis
+  round trip (one script call) takes on a local server (``--round-trip-ms``).
+  It holds the GIL for the encoding, as the outbox does, while the engine's
+  thread builds and launches the next step.
 
 Each round runs every arm once on the same prompts (a new set per round, the
 arms' order rotated), and each round's arms must give the same tokens; a decode

@@ -164,18 +164,19 @@ def part_costs(args, url: str, listener, warmup: int = 50) -> list[list]:
     jobs = [f"{i:08x}-5c1e-4c6b-9a8e-{i:012x}" for i in range(args.jobs)]
     publisher = EventPublisher(redis)
 
-    def publish(step: int, running: list[str]) -> None:
-        # The engine's thread hands a step's token events over as tuples.
-        publisher.publish_and_check([TokenEvent(j, step, " the", [279]) for j in jobs], running)
+    def step_events(step: int) -> list[TokenEvent]:
+        # The engine's thread makes a step's token events (as tuples) before it hands them over.
+        return [TokenEvent(j, step, " the", [279]) for j in jobs]
 
     rows = []
-    for name, fn in (("the step's call: publish and cancel check", lambda i: publish(i, jobs)),
-                     ("publish the step's events", lambda i: publish(i, [])),
+    for name, fn in (("the step's call: publish and cancel check", lambda ev: publisher.publish_and_check(ev, jobs)),
+                     ("publish the step's events", lambda ev: publisher.publish_and_check(ev)),
                      ("cancel check", lambda _: publisher.publish_and_check([], jobs))):
         wall, cpu = [], []
         for i in range(warmup + args.steps):
+            events = step_events(i)
             t, c = time.perf_counter(), time.thread_time()
-            fn(i)
+            fn(events)
             if i >= warmup:
                 wall.append((time.perf_counter() - t) * 1e3)
                 cpu.append((time.thread_time() - c) * 1e3)

@@ -17,23 +17,18 @@ from kiviq.jobs.publisher import EventPublisher, encode_events, event_json
 TEXTS = ["".join(map(chr, range(128))), " héllo wörld", "日本語", "🙂 ok", "\ufffd", "\u2028\u2029", "", "\\n", "a\"b"]
 
 
-def as_model(event: TokenEvent) -> StreamEvent:
-    return StreamEvent(job_id=event.job_id, seq=event.seq, type=EventType.token, text=event.text,
-                       token_ids=event.token_ids, logprobs=event.logprobs)
-
-
 @pytest.mark.parametrize("text", TEXTS)
 def test_a_token_event_is_spelled_as_pydantic_spells_its_stream_event(text):
     event = TokenEvent(f"job-{text[:3]!r}", 12, text, [0, 5, 151_935])
-    assert event_json(event) == as_model(event).model_dump_json(exclude_none=True)
-    assert StreamEvent.model_validate_json(event_json(event)) == as_model(event)
+    assert event_json(event) == event.stream_event().model_dump_json(exclude_none=True)
+    assert StreamEvent.model_validate_json(event_json(event)) == event.stream_event()
 
 
 def test_events_with_logprobs_and_stream_events_go_through_pydantic():
     lp = [TokenLogprob(token="a", token_id=7, logprob=-0.5)]
     with_logprobs = TokenEvent("a", 1, "x", [7], lp)
     done = StreamEvent(job_id="a", seq=2, type=EventType.done, finish_reason="stop")
-    assert event_json(with_logprobs) == as_model(with_logprobs).model_dump_json(exclude_none=True)
+    assert event_json(with_logprobs) == with_logprobs.stream_event().model_dump_json(exclude_none=True)
     assert event_json(done) == done.model_dump_json(exclude_none=True)
 
 
