@@ -64,8 +64,6 @@ def pin_this_process(cpus: set[int]) -> None:
             pass
 
 
-
-
 class CpuBusy:
     """How many CPUs of each named set were busy on average while in use (from
     /proc/stat: all time but idle and iowait), e.g. the worker's and the load's
