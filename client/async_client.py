@@ -70,14 +70,13 @@ async def aiter_events(redis: AsyncRedis, job_id: str, timeout: float | None = N
     await pubsub.subscribe(event_channel(job_id))
     cursor = EventCursor()
     try:
-        while True:
-            for event in cursor.accept(await redis.lrange(replay_log(job_id), cursor.next_seq, -1)):
+        while not cursor.finished:
+            if cursor.read_log:
+                events = cursor.accept(await redis.lrange(replay_log(job_id), cursor.next_seq, -1))
+            else:
+                events = cursor.accept_message(await pubsub.get_message(timeout=wait_s(deadline, job_id, timeout)))
+            for event in events:
                 yield event
-            if cursor.finished:
-                return
-            message = await pubsub.get_message(timeout=wait_s(deadline, job_id, timeout))
-            while message is not None:  # drain, then go back to the log for ordering
-                message = await pubsub.get_message(timeout=0)
     finally:
         await pubsub.aclose()
 

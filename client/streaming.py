@@ -1,9 +1,12 @@
 """Read a job's event stream: replay log first, then live pub/sub.
 
-The worker appends every event to the job's replay log and publishes it on the
-job's channel in one pipeline. A reader subscribes *before* reading the log, so
-an event is always in the log, on the channel, or both; it keeps the next
-``seq`` it expects and drops anything it has already yielded, which makes late
+The worker appends every event to the job's replay log and publishes the same
+JSON on the job's channel in one script call. A reader subscribes *before*
+reading the log, so an event is always in the log, on the channel, or both.
+After the log it takes events from the channel's messages themselves, one read
+each; it goes back to the log only when a message skips a sequence number (it
+missed one) or the channel stays quiet for ``POLL_S``. It keeps the next ``seq``
+it expects and drops anything it has already yielded, which makes late
 subscription and reconnects lossless and duplicate-free.
 """
 
@@ -25,25 +28,44 @@ POLL_S = 1.0  # how often to re-read the log when the channel is quiet
 
 class EventCursor:
     """A reader's exactly-once, in-order bookkeeping (shared by the sync and
-    async readers): the next ``seq`` it expects and whether it saw the end."""
+    async readers): the next ``seq`` it expects, whether it saw the end, and
+    whether it must read the log before it waits on the channel again."""
 
     def __init__(self) -> None:
         self.next_seq = 0
         self.finished = False
+        self.read_log = True  # at the start (events published before we subscribed)
 
     def accept(self, raws: list) -> list[StreamEvent]:
         """The new events among raw log entries, up to and including a terminal one."""
+        self.read_log = False
         out = []
         for raw in raws:
-            event = StreamEvent.model_validate_json(raw)
-            if event.seq < self.next_seq:
-                continue
-            self.next_seq = event.seq + 1
-            out.append(event)
-            if event.type in TERMINAL:
-                self.finished = True
+            out += self._take(StreamEvent.model_validate_json(raw))
+            if self.finished:
                 break
         return out
+
+    def accept_message(self, message: dict | None) -> list[StreamEvent]:
+        """The event a channel message carries, when it is the next one. A later
+        one means messages were missed, and ``None`` (no message within the wait,
+        or a subscribe confirmation) may mean the same: either sends the reader
+        back to the log, which holds every event."""
+        if message is None:
+            self.read_log = True
+            return []
+        event = StreamEvent.model_validate_json(message["data"])
+        if event.seq > self.next_seq:
+            self.read_log = True
+            return []
+        return self._take(event)
+
+    def _take(self, event: StreamEvent) -> list[StreamEvent]:
+        if event.seq < self.next_seq or self.finished:
+            return []
+        self.next_seq = event.seq + 1
+        self.finished = event.type in TERMINAL
+        return [event]
 
 
 def wait_s(deadline: float | None, job_id: str, timeout: float | None) -> float:
@@ -100,32 +122,19 @@ def iter_events(redis: Redis, job_id: str, timeout: float | None = None) -> Iter
         TimeoutError: the job produced no terminal event in time.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
-    next_seq = 0
+    cursor = EventCursor()
     pubsub = None
     try:
-        while True:
+        while not cursor.finished:
             try:
                 if pubsub is None:
                     pubsub = redis.pubsub(ignore_subscribe_messages=True)
                     pubsub.subscribe(event_channel(job_id))
-                # The log is the source of truth; pub/sub only wakes us up early.
-                for raw in redis.lrange(replay_log(job_id), next_seq, -1):
-                    event = StreamEvent.model_validate_json(raw)
-                    if event.seq < next_seq:
-                        continue
-                    next_seq = event.seq + 1
-                    yield event
-                    if event.type in TERMINAL:
-                        return
-                wait = POLL_S
-                if deadline is not None:
-                    wait = min(wait, deadline - time.monotonic())
-                    if wait <= 0:
-                        raise TimeoutError(f"job {job_id}: no final event within {timeout} s")
-                message = pubsub.get_message(timeout=wait)
-                # Drain whatever else arrived, then go back to the log for ordering.
-                while message is not None:
-                    message = pubsub.get_message(timeout=0)
+                    cursor.read_log = True
+                if cursor.read_log:
+                    events = cursor.accept(redis.lrange(replay_log(job_id), cursor.next_seq, -1))
+                else:
+                    events = cursor.accept_message(pubsub.get_message(timeout=wait_s(deadline, job_id, timeout)))
             except (RedisConnectionError, RedisTimeoutError):
                 # Redis restarted or the link dropped: resubscribe and re-read
                 # the log from where we are; nothing is lost or repeated.
@@ -135,6 +144,8 @@ def iter_events(redis: Redis, job_id: str, timeout: float | None = None) -> Iter
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"job {job_id}: no final event within {timeout} s") from None
                 time.sleep(POLL_S)
+                continue
+            yield from events
     finally:
         if pubsub is not None:
             pubsub.close()

@@ -71,6 +71,42 @@ def test_live_events_in_order_exactly_once(fake_pair):
     assert [e.seq for e in events] == list(range(16))
 
 
+def test_a_missed_message_is_read_from_the_log_and_live_events_are_not(fake_pair, monkeypatch):
+    """Live events come from their channel messages (the log read once at the
+    start, and once for a subscribe confirmation); a message that skips a seq
+    sends the reader to the log from the seq it expects."""
+    from kiviq.jobs.keys import replay_log
+
+    sync, conn = fake_pair
+    pub = EventPublisher(sync)
+    pub.publish([ev(0, text="a")])
+    reads, real = [], conn.lrange
+
+    async def lrange(key, start, end):
+        reads.append(start)
+        return await real(key, start, end)
+
+    monkeypatch.setattr(conn, "lrange", lrange)
+
+    async def main():
+        it = aiter_events(conn, "j1", timeout=5)
+        got = [await it.__anext__()]
+        for i in range(1, 11):
+            pub.publish([ev(i, text="b")])
+            got.append(await it.__anext__())
+        live_reads = len(reads)
+        sync.rpush(replay_log("j1"), ev(11, text="c").model_dump_json())  # logged, its message lost
+        pub.publish([ev(12, text="d")])
+        pub.publish([ev(13, "done", finish_reason="stop")])
+        return got + await collect(it), live_reads
+
+    events, live_reads = asyncio.run(main())
+    assert [e.seq for e in events] == list(range(14))
+    assert events[11].text == "c"
+    assert live_reads <= 2, reads
+    assert 11 in reads
+
+
 def test_error_and_timeout(fake_pair):
     sync, conn = fake_pair
     EventPublisher(sync).publish([ev(0, text="x"), ev(1, "error", error="boom")])

@@ -49,6 +49,50 @@ def test_live_events_arrive_in_order_exactly_once(fake):
     assert pub.next_seq("j1") == 21
 
 
+def counted_lrange(monkeypatch, conn) -> list[tuple]:
+    """Record the start index of every LRANGE the reader makes."""
+    calls, real = [], conn.lrange
+    monkeypatch.setattr(conn, "lrange", lambda key, start, end: calls.append(start) or real(key, start, end))
+    return calls
+
+
+def test_live_events_come_from_the_channel_not_the_log(fake, monkeypatch):
+    """Once the reader has read the log it takes each event from its channel
+    message: one read per event, not a log read as well."""
+    pub = EventPublisher(fake)
+    pub.publish([ev(0, text="a")])
+    reads = counted_lrange(monkeypatch, fake)
+    it = iter_events(fake, "j1", timeout=5)
+    assert next(it).seq == 0
+    for i in range(1, 21):
+        pub.publish([ev(i, text="b")])
+        assert next(it).seq == i
+    pub.publish([ev(21, "done", finish_reason="length")])
+    assert next(it).type == EventType.done
+    assert list(it) == []
+    assert len(reads) <= 3, reads  # at the start, and at most once more (the subscribe confirmation)
+
+
+def test_a_missed_message_sends_the_reader_to_the_log(fake, monkeypatch):
+    """A message that skips a seq means the reader missed one: it reads the log
+    from the seq it expects, and a message it already has is dropped."""
+    from kiviq.jobs.keys import replay_log
+
+    pub = EventPublisher(fake)
+    pub.publish([ev(0, text="a")])
+    reads = counted_lrange(monkeypatch, fake)
+    it = iter_events(fake, "j1", timeout=5)
+    assert next(it).text == "a"
+    pub.publish([ev(1, text="b")])
+    assert next(it).text == "b"
+    fake.rpush(replay_log("j1"), ev(2, text="c").model_dump_json())  # logged, its message lost
+    pub.publish([ev(3, text="d")])
+    pub.publish([ev(4, "done", finish_reason="stop")])
+    rest = list(it)
+    assert [(e.seq, e.text) for e in rest] == [(2, "c"), (3, "d"), (4, "")]
+    assert 2 in reads  # the log read from the missing seq
+
+
 def test_restart_does_not_duplicate_text():
     events = [ev(0, text="The "), ev(1, text="sky"), ev(2, "restarted"), ev(3, text="The "),
               ev(4, text="sky"), ev(5, text=" is"), ev(6, "done", finish_reason="stop")]
