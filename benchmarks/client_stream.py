@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
