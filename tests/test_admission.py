@@ -203,3 +203,23 @@ def test_a_burst_worker_serves_what_is_queued_and_takes_jobs_that_arrive_while_i
             JobStatus.FINISHED
     assert engine.steps < 20 + 5  # the late job ran beside the others
     assert claims.claimed(redis_conn, worker.name) == []
+
+
+def test_the_command_listener_stops_within_its_poll(redis_conn):
+    """Stopping the worker joins rq's command listener thread. Once rq's unsubscribe
+    has emptied its subscriptions the thread waits for a new one without a read to
+    wake it: it must wake on its own within the poll (rq's 60 s made a stopping
+    worker wait out its teardown limit)."""
+    worker, _ = stand_in_worker(redis_conn)
+    try:
+        worker.subscribe()
+        time.sleep(0.2)
+        worker.pubsub.unsubscribe()
+        time.sleep(0.2)  # the listener reads the confirmation and waits for a subscription
+        started = time.monotonic()
+        worker.pubsub_thread.stop(timeout=10)
+        assert not worker.pubsub_thread.is_alive()
+        assert time.monotonic() - started < service.COMMAND_POLL_S + 1.0
+    finally:
+        worker.outbox.close()
+        worker.pubsub.close()

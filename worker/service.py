@@ -52,6 +52,7 @@ HEARTBEAT_EVERY_S = min(5.0, ALIVE_TTL_S / 3)
 RECOVERY_EVERY_S = float(os.environ.get("KIVIQ_RECOVERY_EVERY_S", "30"))
 IDLE_DEQUEUE_TIMEOUT_S = 1  # waiting for a job while idle; short so signals are seen
 TEARDOWN_WAIT_S = 5.0  # rq's own cleanup at shutdown, at most (BatchWorker._teardown_within)
+COMMAND_POLL_S = 0.5  # rq's command listener wakes this often (BatchWorker.subscribe)
 
 
 class BatchWorker(SimpleWorker):
@@ -165,12 +166,21 @@ class BatchWorker(SimpleWorker):
         return Outbox(self.connection, queue_keys=[q.key for q in self._ordered_queues],
                       on_publish=self.metrics.outbox_publish if self.metrics else None)
 
+    def subscribe(self) -> None:
+        """rq's command channel (``rq.command``: shutdown, stop-job), its listener
+        thread waking every COMMAND_POLL_S instead of rq's 60 s. Stopping a worker
+        joins that thread, and once rq's unsubscribe has emptied its subscriptions the
+        thread waits without a read that could end early: with 60 s a stopping worker
+        sometimes waited out TEARDOWN_WAIT_S (a race between the two threads)."""
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(sleep_time=COMMAND_POLL_S, daemon=True,
+                                                       exception_handler=self._pubsub_exception_handler)
+
     def _teardown_within(self, seconds: float) -> None:
         """rq's teardown (its scheduler, its registry entry, the command channel) on a
         daemon thread, waited for ``seconds``: the jobs are settled by then, and a Redis
-        client call stuck in there must not keep a stopped worker alive (rq's
-        unsubscribe from its command channel can wait out its listener thread's 60 s
-        read on redis-py 8.1)."""
+        client call stuck in there must not keep a stopped worker alive."""
         def run() -> None:
             try:
                 self.teardown()
