@@ -7,11 +7,12 @@ do), and on the GPU host that load shares the machine with the worker
 redis-server of the benchmark's own, a publisher process that writes one token
 event for each of ``--jobs`` jobs every ``--step-ms`` through the worker's
 ``EventPublisher`` (the engine's pace), then a ``done`` event each, and a reader
-process that streams every job through ``kiviq.client.async_client.aiter_events``
-of the arm's code tree. Measured over the publishing: the reader process's CPU
+process that streams every job through one ``AsyncClient`` of the arm's code tree
+(``client.job(id).events()``, as the service benchmark's clients and the HTTP gateway
+read their jobs). Measured over the publishing: the reader process's CPU
 time and Redis's (``INFO cpu``; it includes the publisher's script calls, the
-same in every arm), each per event, and each event's arrival after its
-publishing (the publisher writes its wall-clock time as the event's text). Every
+same in every arm), each per event, each event's arrival after its publishing,
+and the connections the reader holds to Redis once every stream has subscribed (the publisher writes its wall-clock time as the event's text). Every
 stream is checked: each job's events, in order, exactly once.
 
 Arms are code trees (``NAME=.``, ``NAME=DIR`` or ``NAME=<git revision>``); the
@@ -73,9 +74,8 @@ def child(args) -> dict:
     """One reader process of one arm: a redis-server of its own, the publisher beside it."""
     sys.path.insert(0, args.code)
     from redis import Redis
-    from redis.asyncio import Redis as AsyncRedis
 
-    from kiviq.client.async_client import aiter_events
+    from kiviq.client.async_client import AsyncClient
     from kiviq.client.local_redis import start_redis
     from kiviq.jobs.keys import event_channel
 
@@ -85,16 +85,18 @@ def child(args) -> dict:
         sync = Redis.from_url(url)
 
         async def main():
-            connection = AsyncRedis.from_url(url, max_connections=4 * args.jobs + 16)
+            client = AsyncClient(url)
+            connection = client.redis
 
             async def read(job_id: str) -> list[tuple]:
                 return [(e.seq, e.type.value, e.text, time.time())
-                        async for e in aiter_events(connection, job_id, timeout=600)]
+                        async for e in client.job(job_id).events(timeout=600)]
 
             tasks = [asyncio.create_task(read(j)) for j in ids]
             channels = [event_channel(j) for j in ids]
             while not all(n >= 1 for _, n in await connection.pubsub_numsub(*channels)):
                 await asyncio.sleep(0.01)
+            connections = int(sync.info("clients")["connected_clients"]) - 1  # less this one
             cpu0, redis0, wall0 = time.process_time(), redis_cpu_s(sync), time.perf_counter()
             publisher = subprocess.Popen([sys.executable, args.harness, "--publish", url, "--code", str(ROOT),
                                           "--jobs", str(args.jobs), "--steps", str(args.steps),
@@ -104,10 +106,10 @@ def child(args) -> dict:
             redis_s = redis_cpu_s(sync) - redis0
             if publisher.wait() != 0:
                 raise SystemExit("the publisher failed")
-            await connection.aclose()
-            return streams, cpu, redis_s, wall
+            await client.aclose()
+            return streams, cpu, redis_s, wall, connections
 
-        streams, cpu, redis_s, wall = asyncio.run(main())
+        streams, cpu, redis_s, wall, connections = asyncio.run(main())
     finally:
         stop()
     late, problems = [], []
@@ -117,7 +119,7 @@ def child(args) -> dict:
         late += [arrived - float(text) for _, kind, text, arrived in events if kind == "token"]
     late.sort()
     n = args.jobs * (args.steps + 1)
-    return {"events": n, "cpu_us": cpu / n * 1e6, "redis_us": redis_s / n * 1e6, "wall_s": wall,
+    return {"events": n, "connections": connections, "cpu_us": cpu / n * 1e6, "redis_us": redis_s / n * 1e6, "wall_s": wall,
             "late_p50_ms": late[len(late) // 2] * 1e3, "late_p99_ms": late[int(len(late) * 0.99)] * 1e3,
             "problems": problems}
 
@@ -169,8 +171,9 @@ def main() -> None:
         rs = results[name]
         rows.append([f"{name} ({spec})", spread([r["cpu_us"] for r in rs], ".1f"),
                      spread([r["redis_us"] for r in rs], ".1f"), spread([r["late_p50_ms"] for r in rs], ".2f"),
-                     spread([r["late_p99_ms"] for r in rs], ".2f")])
-    print(table(["arm", "reader CPU us / event", "Redis CPU us / event", "arrival p50 ms", "arrival p99 ms"], rows))
+                     spread([r["late_p99_ms"] for r in rs], ".2f"), max(r["connections"] for r in rs)])
+    print(table(["arm", "reader CPU us / event", "Redis CPU us / event", "arrival p50 ms", "arrival p99 ms",
+                 "reader's connections"], rows))
 
 
 if __name__ == "__main__":

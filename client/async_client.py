@@ -2,9 +2,10 @@
 
 Streaming and results use ``redis.asyncio`` natively with the same
 exactly-once / in-order protocol as ``client.streaming`` (subscribe first,
-then read the replay log from the next expected ``seq``; pub/sub only wakes
-the reader). rq's ``Queue`` is synchronous, so enqueueing (and anything else
-that goes through rq: status, cancel) runs the sync ``Client`` in a thread:
+read the replay log, then take events from their channel messages); a client's
+streams share one pub/sub connection (``client.subscriber``). rq's ``Queue`` is
+synchronous, so enqueueing (and anything else that goes through rq: status,
+cancel) runs the sync ``Client`` in a thread:
 the job a coroutine enqueues is byte for byte the job ``Client`` enqueues,
 with the same validation, idempotency and backpressure.
 """
@@ -25,6 +26,7 @@ from redis.asyncio import connection as async_connection_module
 from kiviq.client.client import Client
 from kiviq.jobs.settings import redis_url_from_env
 from kiviq.client.streaming import EventCursor, JobFailed, TextDeltas, wait_s
+from kiviq.client.subscriber import StreamSubscriber
 from kiviq.jobs.keys import event_channel, replay_log
 from kiviq.jobs.models import EventType, GenerateRequest, GenerationResult, StreamEvent
 from kiviq.jobs.validation import validate_request
@@ -58,27 +60,36 @@ def sync_redis_like(conn: AsyncRedis) -> Redis:
     return Redis(connection_pool=sync_connection_module.ConnectionPool(connection_class=cls, **kwargs))
 
 
-async def aiter_events(redis: AsyncRedis, job_id: str, timeout: float | None = None) -> AsyncIterator[StreamEvent]:
+async def aiter_events(redis: AsyncRedis, job_id: str, timeout: float | None = None,
+                       subscriber: StreamSubscriber | None = None) -> AsyncIterator[StreamEvent]:
     """Every event of a job in order, exactly once, ending at done/error (the
-    async twin of ``client.streaming.iter_events``).
+    async twin of ``client.streaming.iter_events``). Its channel is read through
+    ``subscriber`` (an ``AsyncClient``'s, shared by its streams), else through a
+    pub/sub connection of its own.
 
     Raises:
         TimeoutError: the job produced no terminal event within ``timeout`` s.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
-    pubsub = redis.pubsub(ignore_subscribe_messages=True)
-    await pubsub.subscribe(event_channel(job_id))
+    own = subscriber is None
+    if own:
+        subscriber = StreamSubscriber(redis)
+    channel = event_channel(job_id)
+    messages = await subscriber.subscribe(channel)
     cursor = EventCursor()
     try:
         while not cursor.finished:
             if cursor.read_log:
                 events = cursor.accept(await redis.lrange(replay_log(job_id), cursor.next_seq, -1))
             else:
-                events = cursor.accept_message(await pubsub.get_message(timeout=wait_s(deadline, job_id, timeout)))
+                events = cursor.accept_message(await messages.get(wait_s(deadline, job_id, timeout)))
             for event in events:
                 yield event
     finally:
-        await pubsub.aclose()
+        if own:
+            await subscriber.aclose()
+        else:
+            await subscriber.unsubscribe(channel, messages)
 
 
 async def aiter_text(events: AsyncIterator[StreamEvent]) -> AsyncIterator[str]:
@@ -102,7 +113,7 @@ class AsyncJobHandle:
 
     def events(self, timeout: float | None = None) -> AsyncIterator[StreamEvent]:
         """``async for`` every stream event in order, ending with ``done`` or ``error``."""
-        return aiter_events(self._client.redis, self.job_id, timeout)
+        return aiter_events(self._client.redis, self.job_id, timeout, self._client.subscriber)
 
     def stream(self, timeout: float | None = None) -> AsyncIterator[str]:
         """``async for`` text deltas as they are generated (works after the job finished too).
@@ -153,8 +164,8 @@ class AsyncClient:
             connection's parameters, or ``sync_connection`` when given.
         sync_connection: the sync redis-py client for rq (optional).
         max_connections: most connections the client opens to Redis from
-            ``redis_url``, per pool (async and sync). Each running stream holds
-            one async connection (its pub/sub) for its whole life.
+            ``redis_url``, per pool (async and sync). The client's streams
+            share one pub/sub connection; a command takes one for its call.
         pool_timeout: seconds a command waits for a free async connection
             when all ``max_connections`` are in use, then raises redis'
             ``ConnectionError``; None waits as long as it takes. Both are
@@ -175,9 +186,9 @@ class AsyncClient:
             self._owns_sync = sync_connection is None
         else:
             url = redis_url_from_env(redis_url)
-            # Every running stream holds a pub/sub connection: a blocking pool waits
-            # for one to free up where redis-py's default pool raised
-            # MaxConnectionsError past ~100 concurrent streams.
+            # A blocking pool: a command waits for a free connection where redis-py's
+            # default pool raises MaxConnectionsError (concurrent log reads of many
+            # streams, aiter_events with no subscriber holding one each).
             self.redis = AsyncRedis.from_pool(BlockingConnectionPool.from_url(
                 url, max_connections=max_connections, timeout=pool_timeout))
             self._owns_redis = True
@@ -185,6 +196,7 @@ class AsyncClient:
                 url, max_connections=max_connections)
             self._owns_sync = sync_connection is None
         self.sync = Client(connection=sync, **client_options)
+        self.subscriber = StreamSubscriber(self.redis)  # one pub/sub connection for all its streams
 
     async def submit(self, prompt: str | None = None, **fields: Any) -> AsyncJobHandle:
         """Validate a request and enqueue it (see ``Client.submit``).
@@ -221,6 +233,7 @@ class AsyncClient:
 
     async def aclose(self) -> None:
         """Close the connections this client opened."""
+        await self.subscriber.aclose()
         if self._owns_redis:
             await self.redis.aclose()
         if self._owns_sync:

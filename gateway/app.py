@@ -50,8 +50,9 @@ RETRY_AFTER_S = 2  # Retry-After of a 429 (queue full)
 MODELS_TTL_S = 5.0  # how long the served-model list is cached
 DISCONNECT_POLL_S = 0.5  # non-streamed requests: how often to look for a client that went away
 OPEN_PATHS = ("/health", "/ready")  # probes need no key
-# Each open stream holds one Redis connection (its pub/sub) for its whole life;
-# past the limit a new request waits up to POOL_WAIT_S for one, then gets a 503.
+# Open streams share one pub/sub connection; a command (a submit, a stream's log
+# read) takes one of the pool's for its call, and past the limit waits up to
+# POOL_WAIT_S for one, then the request gets a 503.
 REDIS_MAX_CONNECTIONS = 2048
 POOL_WAIT_S = 30.0
 # The most a list answers at once (OpenAI's limits: GET /v1/files 10,000, its

@@ -249,3 +249,75 @@ def test_pool_size_and_wait_timeout_are_the_callers(redis_url):
             return waited
 
     assert 0.25 < asyncio.run(main()) < 3
+
+
+async def wait_subscribed(redis_conn, channels: list[str], timeout: float = 10.0) -> None:
+    """Wait until every channel has a subscriber."""
+    deadline = time.monotonic() + timeout
+    while any(c == 0 for _, c in redis_conn.pubsub_numsub(*channels)):
+        assert time.monotonic() < deadline, "the streams did not all subscribe"
+        await asyncio.sleep(0.01)
+
+
+def test_a_clients_streams_share_one_pubsub_connection(redis_url, redis_conn):
+    """Forty streams of one client at once through a pool of three connections:
+    they share one pub/sub connection (a stream holding its own would wait for
+    the pool, then fail), every stream gets its events, and the channels are
+    unsubscribed as the streams end."""
+    from kiviq.jobs.keys import event_channel
+
+    n, pub = 40, EventPublisher(redis_conn)
+    ids = [f"shared-{i}" for i in range(n)]
+
+    def event(job_id, seq, type_="token"):
+        return StreamEvent(job_id=job_id, seq=seq, type=EventType(type_), text=f"{seq}",
+                           finish_reason="stop" if type_ == "done" else None)
+
+    async def main():
+        async with AsyncClient(redis_url, max_connections=3, pool_timeout=5) as client:
+            tasks = [asyncio.create_task(collect(client.job(j).events(timeout=30))) for j in ids]
+            await wait_subscribed(redis_conn, [event_channel(j) for j in ids])
+            for seq in range(5):
+                pub.publish([event(j, seq) for j in ids])
+                await asyncio.sleep(0.01)
+            pub.publish([event(j, 5, "done") for j in ids])
+            streams = await asyncio.gather(*tasks)
+            deadline = time.monotonic() + 5  # the UNSUBSCRIBEs go out as the streams end
+            while any(c for _, c in redis_conn.pubsub_numsub(*[event_channel(j) for j in ids])) \
+                    and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return streams, redis_conn.pubsub_numsub(*[event_channel(j) for j in ids])
+
+    streams, subscribed = asyncio.run(main())
+    assert [[e.seq for e in s] for s in streams] == [list(range(6))] * n
+    assert all(count == 0 for _, count in subscribed)
+
+
+def test_streams_survive_their_pubsub_connection_being_killed(redis_url, redis_conn):
+    """Redis drops the shared pub/sub connection mid-stream: redis-py reconnects
+    and resubscribes, and each stream finds what it missed in its log (a skipped
+    seq, or a quiet second), in order and exactly once."""
+    from kiviq.jobs.keys import event_channel
+
+    ids = [f"killed-{i}" for i in range(8)]
+    pub = EventPublisher(redis_conn)
+
+    def event(job_id, seq, type_="token"):
+        return StreamEvent(job_id=job_id, seq=seq, type=EventType(type_), text=f"{seq}",
+                           finish_reason="stop" if type_ == "done" else None)
+
+    async def main():
+        async with AsyncClient(redis_url) as client:
+            tasks = [asyncio.create_task(collect(client.job(j).events(timeout=30))) for j in ids]
+            await wait_subscribed(redis_conn, [event_channel(j) for j in ids])
+            pub.publish([event(j, 0) for j in ids])
+            await asyncio.sleep(0.1)
+            assert redis_conn.client_kill_filter(_type="pubsub") >= 1
+            pub.publish([event(j, 1) for j in ids])  # published while no one listens
+            await asyncio.sleep(0.1)
+            pub.publish([event(j, 2) for j in ids])
+            pub.publish([event(j, 3, "done") for j in ids])
+            return await asyncio.gather(*tasks)
+
+    streams = asyncio.run(main())
+    assert [[e.seq for e in s] for s in streams] == [[0, 1, 2, 3]] * len(ids)
