@@ -5,7 +5,7 @@ messages; one task reads the connection and routes each message by channel. A
 connection per stream would hold one of the client's pool for the stream's whole
 life (the pool's size would cap concurrent streams, as in an HTTP gateway), and
 each stream would wait on its own socket: one reader for all of them takes a
-quarter less CPU per event (docs/performance.md, "Reading a stream").
+quarter to a third less CPU per event (docs/performance.md, "Reading a stream").
 
 If the connection drops, the task subscribes every channel again on a new one
 and sends each stream back to its replay log for what was published meanwhile
