@@ -143,11 +143,9 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks.common import arm_tree, command, machine, spread, table
+    from benchmarks.common import arm_tree, command, machine, named_trees, spread, table
 
-    arms = [a.split("=", 1) for a in (args.arm or ["this=."])]
-    if any(len(a) != 2 or not a[0] for a in arms):
-        sys.exit(f"--arm: expected NAME=TREE, got {args.arm}")
+    arms = named_trees(args.arm)
     results: dict[str, list[dict]] = {name: [] for name, _ in arms}
     with tempfile.TemporaryDirectory() as tmp:
         trees = {name: arm_tree(spec, tmp) for name, spec in arms}

@@ -197,6 +197,15 @@ def arm_tree(spec: str, tmp: str) -> str:
     return str(dest)
 
 
+def named_trees(specs: list[str] | None, default: str = "this=.", flag: str = "--arm") -> list[list[str]]:
+    """``NAME=TREE`` arguments as [name, tree spec] pairs (default ``default``);
+    a malformed one ends the program with one line."""
+    arms = [a.split("=", 1) for a in (specs or [default])]
+    if any(len(a) != 2 or not a[0] for a in arms):
+        sys.exit(f"{flag}: expected NAME=TREE, got {specs}")
+    return arms
+
+
 def run_in_trees(script: str, trees: list[str] | None, processes: int) -> dict[str, list[dict]]:
     """This command line without ``--processes`` and ``--tree``, run as
     ``benchmarks/<script>`` of each code tree (``NAME=.``, ``NAME=DIR`` or
