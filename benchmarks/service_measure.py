@@ -89,8 +89,9 @@ async def _stream_all(redis_url: str, items: list[tuple], gen: int, timeout: flo
 
     from kiviq.client import AsyncClient
 
-    # Each stream holds a pub/sub connection and reads the log on another: redis-py's
-    # async pool (100 connections by default, and it raises rather than waits) is sized to that.
+    # The streams share the client's pub/sub connection but may all read their logs at
+    # once: redis-py's async pool (100 connections by default, and it raises rather than
+    # waits) is sized to that.
     connection = AsyncRedis.from_url(redis_url, max_connections=2 * len(items) + 16)
     try:
         async with AsyncClient(connection=connection) as client:
