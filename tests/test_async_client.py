@@ -321,3 +321,54 @@ def test_streams_survive_their_pubsub_connection_being_killed(redis_url, redis_c
 
     streams = asyncio.run(main())
     assert [[e.seq for e in s] for s in streams] == [[0, 1, 2, 3]] * len(ids)
+
+
+def test_two_readers_of_one_job_and_one_that_leaves_early(redis_url, redis_conn):
+    """Readers of the same job in one client each get every event; one that stops
+    reading early leaves the channel to the other, and the last one unsubscribes it."""
+    from kiviq.jobs.keys import event_channel
+
+    pub = EventPublisher(redis_conn)
+    channel = event_channel("twice")
+
+    def event(seq, type_="token"):
+        return StreamEvent(job_id="twice", seq=seq, type=EventType(type_), text=f"{seq}",
+                           finish_reason="stop" if type_ == "done" else None)
+
+    async def first_two(events) -> list[int]:
+        seqs = []
+        async for e in events:
+            seqs.append(e.seq)
+            if len(seqs) == 2:
+                break
+        await events.aclose()
+        return seqs
+
+    async def main():
+        async with AsyncClient(redis_url) as client:
+            reads, real = [], client.redis.lrange
+
+            async def lrange(key, start, end):
+                reads.append(start)
+                return await real(key, start, end)
+
+            client.redis.lrange = lrange
+            whole = asyncio.create_task(collect(client.job("twice").events(timeout=30)))
+            early = asyncio.create_task(first_two(client.job("twice").events(timeout=30)))
+            await wait_subscribed(redis_conn, [channel])
+            await asyncio.sleep(0.05)  # both readers subscribed (one connection, one subscription)
+            for seq in range(4):
+                pub.publish([event(seq)])
+                await asyncio.sleep(0.02)
+            pub.publish([event(4, "done")])
+            results = await whole, await early
+            deadline = time.monotonic() + 5  # the last UNSUBSCRIBE goes out as the stream ends
+            while redis_conn.pubsub_numsub(channel)[0][1] and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return (*results, redis_conn.pubsub_numsub(channel)[0][1], reads)
+
+    whole, early, still_subscribed, reads = asyncio.run(main())
+    assert [e.seq for e in whole] == [0, 1, 2, 3, 4]
+    assert early == [0, 1]
+    assert reads == [0, 0]  # each reader's first log read, then every event live
+    assert still_subscribed == 0
