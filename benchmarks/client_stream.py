@@ -86,7 +86,6 @@ def child(args) -> dict:
 
         async def main():
             client = AsyncClient(url)
-            connection = client.redis
 
             async def read(job_id: str) -> list[tuple]:
                 return [(e.seq, e.type.value, e.text, time.time())
@@ -94,11 +93,11 @@ def child(args) -> dict:
 
             tasks = [asyncio.create_task(read(j)) for j in ids]
             channels = [event_channel(j) for j in ids]
-            while not all(n >= 1 for _, n in await connection.pubsub_numsub(*channels)):
+            while not all(n >= 1 for _, n in await client.redis.pubsub_numsub(*channels)):
                 await asyncio.sleep(0.01)
             connections = int(sync.info("clients")["connected_clients"]) - 1  # less this one
             cpu0, redis0, wall0 = time.process_time(), redis_cpu_s(sync), time.perf_counter()
-            publisher = subprocess.Popen([sys.executable, args.harness, "--publish", url, "--code", str(ROOT),
+            publisher = subprocess.Popen([sys.executable, args.harness, "--publish", url, "--code", args.publisher_code,
                                           "--jobs", str(args.jobs), "--steps", str(args.steps),
                                           "--step-ms", str(args.step_ms)])
             streams = await asyncio.gather(*tasks)
@@ -134,6 +133,7 @@ def main() -> None:
     p.add_argument("--code", help=argparse.SUPPRESS)  # child and publisher: the code tree to import
     p.add_argument("--publish", help=argparse.SUPPRESS)  # publisher: the Redis URL
     p.add_argument("--harness", help=argparse.SUPPRESS)  # child: this script's copy
+    p.add_argument("--publisher-code", dest="publisher_code", help=argparse.SUPPRESS)  # child: this tree
     args = p.parse_args()
     if args.publish:
         publish(args)
@@ -152,7 +152,8 @@ def main() -> None:
         harness = shutil.copy(__file__, Path(tmp) / "client_stream.py")  # edits during a run change nothing
         for rep in range(args.processes):
             for name, _ in (arms if rep % 2 == 0 else arms[::-1]):
-                cmd = [sys.executable, harness, "--code", trees[name], "--harness", harness, "--jobs", str(args.jobs),
+                cmd = [sys.executable, harness, "--code", trees[name], "--harness", harness,
+                       "--publisher-code", str(ROOT), "--jobs", str(args.jobs),
                        "--steps", str(args.steps), "--step-ms", str(args.step_ms)]
                 r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
                 if r["problems"]:
