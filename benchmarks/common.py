@@ -197,12 +197,12 @@ def arm_tree(spec: str, tmp: str) -> str:
     return str(dest)
 
 
-def named_trees(specs: list[str] | None, default: str = "this=.", flag: str = "--arm") -> list[list[str]]:
-    """``NAME=TREE`` arguments as [name, tree spec] pairs (default ``default``);
+def named_trees(specs: list[str] | None, default: str = "this=.") -> list[list[str]]:
+    """``--arm NAME=TREE`` arguments as [name, tree spec] pairs (default ``default``);
     a malformed one ends the program with one line."""
     arms = [a.split("=", 1) for a in (specs or [default])]
     if any(len(a) != 2 or not a[0] for a in arms):
-        sys.exit(f"{flag}: expected NAME=TREE, got {specs}")
+        sys.exit(f"--arm: expected NAME=TREE, got {specs}")
     return arms
 
 

@@ -175,9 +175,9 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks.common import arm_tree, command, machine, table
+    from benchmarks.common import arm_tree, command, machine, named_trees, table
 
-    arms = [a.split("=", 1) for a in (args.arm or ["now=."])]
+    arms = named_trees(args.arm, "now=.")
     flush_blocks = {}  # per arm
     for i, (name, spec) in enumerate(arms):
         spec, _, option = spec.partition(",flush_blocks=")

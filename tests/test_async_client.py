@@ -251,6 +251,12 @@ def test_pool_size_and_wait_timeout_are_the_callers(redis_url):
     assert 0.25 < asyncio.run(main()) < 3
 
 
+def job_event(job_id: str, seq: int, type_: str = "token") -> StreamEvent:
+    """Event ``seq`` of ``job_id``, its text the seq; a ``done`` one ends with stop."""
+    return StreamEvent(job_id=job_id, seq=seq, type=EventType(type_), text=f"{seq}",
+                       finish_reason="stop" if type_ == "done" else None)
+
+
 async def wait_subscribed(redis_conn, channels: list[str], timeout: float = 10.0) -> None:
     """Wait until every channel has a subscriber."""
     deadline = time.monotonic() + timeout
@@ -269,18 +275,14 @@ def test_a_clients_streams_share_one_pubsub_connection(redis_url, redis_conn):
     n, pub = 40, EventPublisher(redis_conn)
     ids = [f"shared-{i}" for i in range(n)]
 
-    def event(job_id, seq, type_="token"):
-        return StreamEvent(job_id=job_id, seq=seq, type=EventType(type_), text=f"{seq}",
-                           finish_reason="stop" if type_ == "done" else None)
-
     async def main():
         async with AsyncClient(redis_url, max_connections=3, pool_timeout=5) as client:
             tasks = [asyncio.create_task(collect(client.job(j).events(timeout=30))) for j in ids]
             await wait_subscribed(redis_conn, [event_channel(j) for j in ids])
             for seq in range(5):
-                pub.publish([event(j, seq) for j in ids])
+                pub.publish([job_event(j, seq) for j in ids])
                 await asyncio.sleep(0.01)
-            pub.publish([event(j, 5, "done") for j in ids])
+            pub.publish([job_event(j, 5, "done") for j in ids])
             streams = await asyncio.gather(*tasks)
             deadline = time.monotonic() + 5  # the UNSUBSCRIBEs go out as the streams end
             while any(c for _, c in redis_conn.pubsub_numsub(*[event_channel(j) for j in ids])) \
@@ -302,21 +304,17 @@ def test_streams_survive_their_pubsub_connection_being_killed(redis_url, redis_c
     ids = [f"killed-{i}" for i in range(8)]
     pub = EventPublisher(redis_conn)
 
-    def event(job_id, seq, type_="token"):
-        return StreamEvent(job_id=job_id, seq=seq, type=EventType(type_), text=f"{seq}",
-                           finish_reason="stop" if type_ == "done" else None)
-
     async def main():
         async with AsyncClient(redis_url) as client:
             tasks = [asyncio.create_task(collect(client.job(j).events(timeout=30))) for j in ids]
             await wait_subscribed(redis_conn, [event_channel(j) for j in ids])
-            pub.publish([event(j, 0) for j in ids])
+            pub.publish([job_event(j, 0) for j in ids])
             await asyncio.sleep(0.1)
             assert redis_conn.client_kill_filter(_type="pubsub") >= 1
-            pub.publish([event(j, 1) for j in ids])  # published while no one listens
+            pub.publish([job_event(j, 1) for j in ids])  # published while no one listens
             await asyncio.sleep(0.1)
-            pub.publish([event(j, 2) for j in ids])
-            pub.publish([event(j, 3, "done") for j in ids])
+            pub.publish([job_event(j, 2) for j in ids])
+            pub.publish([job_event(j, 3, "done") for j in ids])
             return await asyncio.gather(*tasks)
 
     streams = asyncio.run(main())
@@ -330,10 +328,6 @@ def test_two_readers_of_one_job_and_one_that_leaves_early(redis_url, redis_conn)
 
     pub = EventPublisher(redis_conn)
     channel = event_channel("twice")
-
-    def event(seq, type_="token"):
-        return StreamEvent(job_id="twice", seq=seq, type=EventType(type_), text=f"{seq}",
-                           finish_reason="stop" if type_ == "done" else None)
 
     async def first_two(events) -> list[int]:
         seqs = []
@@ -358,9 +352,9 @@ def test_two_readers_of_one_job_and_one_that_leaves_early(redis_url, redis_conn)
             await wait_subscribed(redis_conn, [channel])
             await asyncio.sleep(0.05)  # both readers subscribed (one connection, one subscription)
             for seq in range(4):
-                pub.publish([event(seq)])
+                pub.publish([job_event("twice", seq)])
                 await asyncio.sleep(0.02)
-            pub.publish([event(4, "done")])
+            pub.publish([job_event("twice", 4, "done")])
             results = await whole, await early
             deadline = time.monotonic() + 5  # the last UNSUBSCRIBE goes out as the stream ends
             while redis_conn.pubsub_numsub(channel)[0][1] and time.monotonic() < deadline:

@@ -49,7 +49,7 @@ def test_live_events_arrive_in_order_exactly_once(fake):
     assert pub.next_seq("j1") == 21
 
 
-def counted_lrange(monkeypatch, conn) -> list[tuple]:
+def counted_lrange(monkeypatch, conn) -> list[int]:
     """Record the start index of every LRANGE the reader makes."""
     calls, real = [], conn.lrange
     monkeypatch.setattr(conn, "lrange", lambda key, start, end: calls.append(start) or real(key, start, end))
