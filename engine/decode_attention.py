@@ -1,33 +1,36 @@
-"""A decode step's attention prologue as one kernel launch per layer.
+"""A decode step's attention prologue inside the attention kernel's launch.
 
 Why: a decode step is host-bound (MLX spends ~10 us of host time on every op it
 evaluates), and between a layer's fused q/k/v matmul and its attention mlx-lm
 runs seven small ops: three strided copies that split the product into heads,
 Qwen3's two q/k RMSNorms and two RoPEs (and a 2r cache three Hadamard rotations).
-``kernels.qk_rope`` does all of that in one launch and gives the same bits, so the
-tokens do not change.
+On CUDA the split attention kernel does all of that for the heads it reads
+(``KiviLayerCache.attend_projection``, ``kernels.qk_rope.Prologue``), with the
+same bits, so the tokens do not change and the layer's attention is two launches
+after its projection.
 
 How: the attention modules of the families whose forward is exactly
 "projections, (norms), RoPE at the cache's offset, the shared attention helper,
 o_proj" (llama, mistral, qwen2, qwen3 in mlx-lm 0.32) get a subclass whose
-``__call__`` takes the one-launch path for a decode step over a KIVI cache
-whose store uses the kernels, and otherwise runs the stock forward. The
-parameters and the module tree stay as they are (only the class changes).
-Needs the fused projection (``engine.fused_projections``) and a plain RoPE
-(``nn.RoPE``, rotate-half over the whole head).
+``__call__`` hands a decode step's projection row to a KIVI cache whose store
+uses the kernels, and otherwise runs the stock forward. The parameters and the
+module tree stay as they are (only the class changes). Needs the fused projection
+(``engine.fused_projections``) and a plain RoPE (``nn.RoPE``, rotate-half over the
+whole head).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from kiviq.engine.fused_projections import FUSABLE_FAMILIES
 from kiviq.engine.kivi_cache import KiviLayerCache, model_dtype
+from kiviq.kernels import kivi_cuda
 from kiviq.kernels.launch import const
-from kiviq.kernels.qk_rope import qk_rope, supported
+from kiviq.kernels.qk_rope import PROLOGUE_DTYPES, PROLOGUE_HEAD_DIMS, Prologue
 
 _CLASSES: dict[type, type] = {}
 
@@ -56,30 +59,32 @@ def _decode_class(stock: type) -> type:
 
 
 def decode_forward(attn: nn.Module, x: mx.array, cache: KiviLayerCache) -> mx.array:
-    """The stock forward of one decode token per sequence, its prologue in one launch."""
+    """The stock forward of one decode token per sequence, its prologue in the attention launch."""
     b = x.shape[0]
     offsets = cache.offset
     if not isinstance(offsets, mx.array):  # one sequence, a plain step: an int, one array for all layers
         offsets = const((offsets,) * b, mx.int32)
     norm = attn.get("q_norm")
-    # A rotated (2r) store: the prologue rotates q, k and v into its basis in the same launch.
-    rotated = cache.store.rotation is not None
-    q, k, v = attn._qk_prep(attn.qkv_proj(x), offsets, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,
-                            rope_base=attn.rope.base, rope_scale=attn.rope.scale,
-                            q_weight=None if norm is None else norm.weight,
-                            k_weight=None if norm is None else attn.k_norm.weight,
-                            eps=0.0 if norm is None else norm.eps, rotate=rotated)
-    k, v = cache.update_and_fetch(k, v)
-    out = cache.attend(q, k, v, attn.scale, rotated=rotated)
+    out = cache.attend_projection(attn.qkv_proj(x), offsets, attn._prologues[cache.store.rotation is not None],
+                                  None if norm is None else norm.weight,
+                                  None if norm is None else attn.k_norm.weight, attn.scale)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, 1, -1))
 
 
-def install_decode_attention(model: nn.Module, prep: Callable | None = None) -> int:
-    """Give every eligible attention layer of ``model`` the one-launch decode path.
-    ``prep``: the prologue (default ``kernels.qk_rope``, CUDA only; a test passes
-    ``qk_rope_reference`` to check the path on any backend). Returns the layers
-    changed: 0 where the kernel cannot run (no CUDA, head_dim, dtype) or the family
-    is not known. Run after ``fuse_projections``; safe to run again."""
+def _prologues(attn: nn.Module) -> dict[bool, Prologue]:
+    """The layer's prologue for a plain store (False) and a rotated one (True)."""
+    norm = attn.get("q_norm")
+    spec = dict(n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, rope_base=attn.rope.base,
+                rope_scale=attn.rope.scale, eps=0.0 if norm is None else norm.eps, norm=norm is not None)
+    return {rotate: Prologue(**spec, rotate=rotate) for rotate in (False, True)}
+
+
+def install_decode_attention(model: nn.Module, *, anywhere: bool = False) -> int:
+    """Give every eligible attention layer of ``model`` the prologue-in-the-kernel
+    decode path. Returns the layers changed: 0 where the kernel cannot run (no CUDA,
+    head_dim, dtype) or the family is not known. ``anywhere``: install it where the
+    kernel cannot run too (a test: the path then runs ``Prologue.reference``, the
+    stock ops). Run after ``fuse_projections``; safe to run again."""
     if getattr(model, "model_type", None) not in FUSABLE_FAMILIES:
         return 0
     layers = getattr(getattr(model, "model", None), "layers", [])
@@ -87,16 +92,15 @@ def install_decode_attention(model: nn.Module, prep: Callable | None = None) -> 
     if not attns or any(a is None for a in attns):
         return 0
     head_dim = attns[0].rope.dims if hasattr(attns[0], "rope") else 0
-    if prep is None:
-        if not supported(head_dim, model_dtype(model)):
-            return 0
-        prep = qk_rope
+    if not anywhere and not (kivi_cuda.available() and head_dim in PROLOGUE_HEAD_DIMS
+                             and model_dtype(model) in PROLOGUE_DTYPES):
+        return 0
     count = 0
     for attn in attns:
         if not _eligible(attn, head_dim):
             continue
         if type(attn) not in _CLASSES.values():
             attn.__class__ = _decode_class(type(attn))
-        attn._qk_prep = prep  # a plain attribute: a function is no parameter
+        attn._prologues = _prologues(attn)  # a plain attribute: no parameter
         count += 1
     return count

@@ -36,6 +36,7 @@ from kiviq.engine.block_manager import blocks_for_budget
 from kiviq.engine.device_memory import default_kv_memory
 from kiviq.engine.kv_store import DecodeBatch, KiviStore, KVConfig, PrefillBatch, SequenceKV
 from kiviq.engine.layer_pacer import LayerPacer
+from kiviq.kernels.qk_rope import Prologue
 
 _stock_sdpa = mlx_lm_base.scaled_dot_product_attention
 
@@ -149,8 +150,7 @@ class KiviLayerCache:
         self._pending = (keys, values)
         return keys, values
 
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, *,
-               rotated: bool = False) -> mx.array:
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
         """Attention for this layer; commits keys/values [B, H_kv, L, D].
 
         A rotated store (``KVConfig.rotate``, ``--kv-bits 2r``) lives in the Hadamard
@@ -159,16 +159,13 @@ class KiviLayerCache:
         only, and the output is rotated back (by the decode kernel's launch, where
         it runs). H is orthogonal and symmetric, so q.k and softmax(qK^T) V H H are
         unchanged in exact arithmetic, and pools and flushes need no change: they
-        quantize whatever rows they are given. ``rotated``: q, k and v come already
-        rotated (the decode prologue kernel rotates them in its launch).
+        quantize whatever rows they are given.
 
         Returns:
             [B, H_q, L, D].
         """
         rotate = self.store.rotation
-        if rotate is None and rotated:
-            raise ValueError("rotated q, k, v given to a cache that is not rotated (kv_bits 2r)")
-        if rotate is not None and not rotated:
+        if rotate is not None:
             queries, keys, values = (rotate(x) for x in (queries, keys, values))
         self._pending = None
         if self.packed is not None:
@@ -181,6 +178,18 @@ class KiviLayerCache:
             return self.store.write_and_attend(self.layer, batch, queries, keys, values, scale)
         out = self._prefill_attend(queries, keys, values, scale)
         return out if rotate is None else rotate(out)
+
+    def attend_projection(self, qkv: mx.array, offsets: mx.array, prologue: Prologue, q_norm: mx.array | None,
+                          k_norm: mx.array | None, scale: float) -> mx.array:
+        """A decode step's attention for this layer from its fused q/k/v projection
+        row [B, 1, (H_q + 2 H_kv) D] (engine.decode_attention): ``prologue`` makes q, k
+        and v (``KiviStore.prologue_and_attend``; for a rotated store it must rotate);
+        commits k and v. Returns [B, H_q, 1, D] in the model's basis."""
+        if prologue.rotate != (self.store.rotation is not None):
+            raise ValueError(f"a prologue with rotate={prologue.rotate} for a store that is "
+                             f"{'' if self.store.rotation is not None else 'not '}rotated (kv_bits 2r)")
+        batch = self.batch or self.store.begin_decode(self.seqs, self.layer)
+        return self.store.prologue_and_attend(self.layer, batch, qkv, offsets, prologue, q_norm, k_norm, scale)
 
     def _prefill_attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
         """A prefill chunk's attention (L > 1), in the store's basis."""

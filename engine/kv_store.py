@@ -35,7 +35,15 @@ from kiviq.kernels import (
     dequantize_key_blocks,
     dequantize_value_blocks,
 )
-from kiviq.kernels.dispatch import attend_plan, blocks_written_in_place, flush_layers, write_blocks, writes_tail
+from kiviq.kernels.dispatch import (
+    attend_plan,
+    blocks_written_in_place,
+    flush_layers,
+    prologue_plan,
+    write_blocks,
+    writes_tail,
+)
+from kiviq.kernels.qk_rope import Prologue
 from kiviq.kernels.rotation import check_rotation, hadamard_rotate
 
 __all__ = ["DecodeBatch", "KVConfig", "KiviStore", "OutOfKVMemory", "PrefillBatch", "SequenceKV"]
@@ -108,7 +116,7 @@ class KiviStore:
         # The map from the model's basis into the pools' (None: the same basis); its
         # own inverse. Rotated pools hold K H and V H (KVConfig.rotate): the store
         # writes and flushes them like any others; its callers (KiviLayerCache.attend,
-        # the decode prologue kernel) rotate q, k and v on the way in, and the output
+        # the decode prologue: prologue_and_attend) rotate q, k and v on the way in, and the output
         # goes out rotated back (decode: the attention launch's merge; prefill: the caller).
         self.rotation = hadamard_rotate if config.rotate else None
         self.config = config
@@ -428,6 +436,29 @@ class KiviStore:
             return plan(q, pool, _as(k, pool.tail_k.dtype), _as(v, pool.tail_v.dtype))
         self.write_decode(layer, batch, k, v)
         return plan(q, pool)
+
+    def prologue_and_attend(self, layer: int, batch: DecodeBatch, qkv: mx.array, offsets: mx.array,
+                            prologue: Prologue, q_norm: mx.array | None, k_norm: mx.array | None,
+                            scale: float) -> mx.array:
+        """``write_and_attend`` of the q, k and v that ``prologue`` makes from the layer's
+        fused q/k/v projection row [B, 1, (H_q + 2 H_kv) D] (norms ``q_norm``, ``k_norm``;
+        RoPE at ``offsets`` [B] int32): on CUDA all in the split kernel's launch
+        (``dispatch.prologue_plan``), elsewhere with ``Prologue.reference``; the same
+        bits. Returns [B, H_q, 1, D] in the model's basis."""
+        b, d = qkv.shape[0], self.pools[layer].tail_k.shape[-1]
+        key = ("prologue", b, qkv.dtype, scale, prologue)
+        plan = batch.plans.get(key, False)
+        if plan is False:
+            plan = batch.plans[key] = prologue_plan(
+                (b, prologue.n_heads, 1, d), qkv.dtype, self.pools[layer], batch.block_tables,
+                batch.num_blocks, batch.slots, batch.tail_lens, scale=scale, bits=self.config.bits,
+                group_size=self.config.group_size, prologue=prologue, use_kernel=self.use_kernel,
+                rotate_out=self.config.rotate)
+        if plan is not None:
+            self._kernel_writes_tails = True
+            return plan.with_prologue(qkv, self.pools[layer], offsets, q_norm, k_norm)
+        q, k, v = prologue.reference(qkv, offsets, q_norm, k_norm)
+        return self.write_and_attend(layer, batch, q, k, v, scale)
 
     def _plan(self, layer: int, batch: DecodeBatch, q: mx.array, scale: float):
         """(the step's attention launch plan, whether it writes the tails): made by the

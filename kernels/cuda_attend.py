@@ -61,9 +61,10 @@ from kiviq.kernels.launch import (
     packed_views,
 )
 from kiviq.kernels.layout import KiviPool, lane_order
+from kiviq.kernels.qk_rope import PROLOGUE_DTYPES, PROLOGUE_HEAD_DIMS, Prologue
 
 ATTEND_INPUTS = ["q", *POOL_NAMES, "block_tables", "num_blocks", "slots", "tail_lens",
-                 "params", "qscale_in", "k_new", "v_new"]
+                 "params", "qscale_in", "k_new", "v_new", "q_norm", "k_norm", "offsets", "rope"]
 ATTEND_OUTPUTS = ["part_acc", "part_ml"]
 MERGE_INPUTS = ["part_acc", "part_ml", "params"]
 MERGE_WARPS = 16  # most warps of a merge block (its shared memory is sized for them)
@@ -95,22 +96,25 @@ def mma_supports(q_shape, pool: KiviPool, bits: int, group_size: int) -> str | N
     return None
 
 
-def device_meta(meta: list, params_new: mx.array) -> tuple[list, list]:
-    """`meta` and its new-token twin as views of one device array (`packed_views`).
+def device_meta(meta: list, params_new: mx.array, rope: tuple = (0.0, 0.0, 0.0)) -> tuple[list, list, mx.array]:
+    """`meta` and its new-token twin as views of one device array (`packed_views`),
+    and the prologue's float32 constants `rope` (`qk_rope.rope_constants`) from it.
 
-    The launch constants (both params and the query scale four times over, as
+    The launch constants (both params, the query scale four times over and `rope`, as
     float32 bits) travel in one host array made for this plan. MLX keeps small
     host-made arrays in shared managed pages the host keeps writing, so every
     separate constant cost a page migration per step when the GPU read it
     (measured: ~250 us of device time each, ~1.6 ms per B=32 step in all)."""
     block_tables, num_blocks, slots, tail_lens, params, qscale = meta
     scale_bits = np.array(const_values(qscale), dtype=np.float32).view(np.int32)
+    rope_bits = np.array([*rope, 0.0], dtype=np.float32).view(np.int32)
     extra = mx.array(np.concatenate([np.array(const_values(params), dtype=np.int32),
                                      np.array(const_values(params_new), dtype=np.int32),
-                                     np.repeat(scale_bits, 4)]))
+                                     np.repeat(scale_bits, 4), rope_bits]))
     views = packed_views([block_tables, num_blocks, slots, tail_lens, extra])
     params_d, params_new_d, scales = views[4][:6], views[4][6:12], views[4][12:16].view(mx.float32)
-    return views[:4] + [params_d, scales], views[:4] + [params_new_d, scales]
+    rope_d = views[4][16:20].view(mx.float32)
+    return views[:4] + [params_d, scales], views[:4] + [params_new_d, scales], rope_d
 
 
 def merge_warps(num_splits: int) -> int:
@@ -128,20 +132,27 @@ class AttendPlan:
     output has that shape.
     """
 
-    __slots__ = ("split", "split_kw", "merge_kw", "meta", "meta_new", "params")
+    __slots__ = ("split", "split_kw", "merge_kw", "meta", "meta_new", "params", "rope", "prologue")
 
     def __init__(self, q_shape, q_dtype, pool: KiviPool, block_tables, num_blocks, slots,
-                 tail_lens, *, scale: float, bits: int, group_size: int, rotate_out: bool = False):
+                 tail_lens, *, scale: float, bits: int, group_size: int, rotate_out: bool = False,
+                 prologue: Prologue | None = None):
         out_shape = tuple(q_shape)
         q_shape = (q_shape[0], q_shape[1], q_shape[-1])
         b, h_q, d = q_shape
+        if prologue is not None:
+            reason = prologue_supports(q_shape, q_dtype, pool, prologue)
+            if reason:
+                raise ValueError(f"the decode prologue cannot run in the split kernel: {reason}")
+        self.prologue = prologue
         mma = mma_supports(q_shape, pool, bits, group_size) is None
         meta, self.split_kw, nsu, rep = attend_launch(
             q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, scale=scale,
             bits=bits, group_size=group_size, step_tokens=MMA_STEP_TOKENS if mma else STEP_TOKENS)
         # The same launch with params[5] = 1: the new token comes with the call.
         params_new = const(const_values(meta[4])[:5] + (1,), mx.int32)
-        self.meta, self.meta_new = device_meta(meta, params_new)
+        self.meta, self.meta_new, self.rope = device_meta(
+            meta, params_new, prologue.constants() if prologue is not None else (0.0, 0.0, 0.0))
         self.params = self.meta[4]
         template, merge_template = attend_templates(q_dtype, pool, bits=bits,
                                                     group_size=group_size, rep=rep)
@@ -149,7 +160,9 @@ class AttendPlan:
             self.split = mma_split_kernel(MMA_BLOCKS_PER_SM.get((pool.k_scales.dtype, bits), 0))
         else:
             self.split = ATTEND_KERNEL
-        self.split_kw["template"] = template
+        pro = prologue is not None
+        self.split_kw["template"] = template + [("PRO", int(pro)), ("NORM", int(pro and prologue.norm)),
+                                                ("ROT_IN", int(pro and prologue.rotate))]
         mw = merge_warps(nsu)
         self.merge_kw = dict(
             template=merge_template + [("MERGE_WARPS", MERGE_WARPS), ("ROTATE", int(rotate_out))],
@@ -161,17 +174,52 @@ class AttendPlan:
 
     def __call__(self, q: mx.array, pool: KiviPool, k_new: mx.array | None = None,
                  v_new: mx.array | None = None) -> mx.array:
-        """Attention of q over `pool`. With `k_new`, `v_new` ([B, H_kv, D] or the
-        model's [B, H_kv, 1, D], the step's new token, in the pool's dtype) the tail's
-        last row (tail_lens - 1) is read from them and written into the pool by the
-        kernel: the caller writes no tail. Without them that row must already hold
-        the token."""
+        """Attention of q over `pool` (a plan made without a prologue). With `k_new`,
+        `v_new` ([B, H_kv, D] or the model's [B, H_kv, 1, D], the step's new token, in
+        the pool's dtype) the tail's last row (tail_lens - 1) is read from them and
+        written into the pool by the kernel: the caller writes no tail. Without them
+        that row must already hold the token."""
+        if self.prologue is not None:
+            raise ValueError("this plan runs the decode prologue: call it with_prologue(qkv, ...)")
+        # The prologue's inputs are never read (PRO = 0): arrays already at hand stand in.
+        unused = [q, q, self.meta[1], self.rope]
         if k_new is None:
-            inputs = [q, *pool, *self.meta, pool.tail_k, pool.tail_v]  # never read: params[5] = 0
+            inputs = [q, *pool, *self.meta, pool.tail_k, pool.tail_v, *unused]  # never read: params[5] = 0
         else:
-            inputs = [q, *pool, *self.meta_new, k_new, v_new]
+            inputs = [q, *pool, *self.meta_new, k_new, v_new, *unused]
+        return self._launch(inputs)
+
+    def with_prologue(self, qkv: mx.array, pool: KiviPool, offsets: mx.array, q_norm: mx.array | None = None,
+                      k_norm: mx.array | None = None) -> mx.array:
+        """Attention of the step's fused q/k/v projection `qkv` ([B, 1, (H_q + 2 H_kv) D])
+        over `pool`, the decode prologue (`prologue`: q/k norm with `q_norm`, `k_norm`,
+        RoPE at `offsets` [B] int32, the 2r rotation) run inside the split kernel; the new
+        token's k and v go into the tail as `__call__` writes `k_new`, `v_new`. Bits
+        equal to `kernels.qk_rope.prologue_reference` followed by `__call__`."""
+        if self.prologue is None:
+            raise ValueError("this plan was made without a prologue")
+        if self.prologue.norm and (q_norm is None or k_norm is None):
+            raise ValueError("the prologue normalizes q and k: give q_norm and k_norm")
+        norms = [q_norm, k_norm] if self.prologue.norm else [qkv, qkv]  # never read: NORM = 0
+        inputs = [qkv, *pool, *self.meta_new, pool.tail_k, pool.tail_v, *norms, offsets, self.rope]
+        return self._launch(inputs)
+
+    def _launch(self, inputs: list) -> mx.array:
         part_acc, part_ml = self.split(inputs=inputs, **self.split_kw)
         return MERGE_KERNEL(inputs=[part_acc, part_ml, self.params], **self.merge_kw)[0]
+
+
+def prologue_supports(q_shape, q_dtype, pool: KiviPool, prologue: Prologue) -> str | None:
+    """None when the split kernels can run `prologue` for attention of this shape
+    over `pool` (`AttendPlan.with_prologue`), else why not."""
+    h_q, d = q_shape[1], q_shape[-1]
+    if (prologue.n_heads, prologue.n_kv_heads) != (h_q, pool.tail_k.shape[1]):
+        return f"heads {prologue.n_heads}/{prologue.n_kv_heads} against q {h_q} and the pool's {pool.tail_k.shape[1]}"
+    if d not in PROLOGUE_HEAD_DIMS or q_dtype not in PROLOGUE_DTYPES:
+        return f"head_dim {d}, {q_dtype} (the prologue: head_dim 64 or 128, fp16 or bf16)"
+    if q_dtype != pool.tail_k.dtype:
+        return f"the model's {q_dtype} is not the pool's {pool.tail_k.dtype}"
+    return None
 
 
 def kivi_decode_attend(q: mx.array, pool: KiviPool, block_tables, num_blocks, slots, tail_lens, *,
@@ -189,4 +237,4 @@ def kivi_decode_attend(q: mx.array, pool: KiviPool, block_tables, num_blocks, sl
     return plan(q, pool)
 
 
-__all__ = ["AttendPlan", "kivi_decode_attend", "mma_supports"]
+__all__ = ["AttendPlan", "kivi_decode_attend", "mma_supports", "prologue_supports"]

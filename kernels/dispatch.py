@@ -20,6 +20,7 @@ from kiviq.kernels import cuda_attend, kivi_cuda, kivi_metal
 from kiviq.kernels import kivi_reference
 from kiviq.kernels.kivi_reference import check_flush_args, decode_attention, flush_tails, gather_flush_layers
 from kiviq.kernels.layout import KiviPool
+from kiviq.kernels.qk_rope import Prologue
 from kiviq.kernels.rotation import hadamard_rotate
 
 
@@ -104,6 +105,25 @@ def attend_plan(q_shape: tuple[int, ...], q_dtype: mx.Dtype, pool: KiviPool, blo
                                bits=bits, group_size=group_size).reshape(q.shape)
         return hadamard_rotate(out) if rotate_out else out
     return attend
+
+
+def prologue_plan(q_shape: tuple[int, ...], q_dtype: mx.Dtype, pool: KiviPool, block_tables: mx.array,
+                  num_blocks: mx.array, slots: mx.array, tail_lens: mx.array, *, scale: float, bits: int,
+                  group_size: int, prologue: Prologue, use_kernel: bool | None = None,
+                  rotate_out: bool = False):
+    """`attend_plan` with the decode step's attention prologue (``prologue``) run inside
+    its kernels: a plan called as ``plan.with_prologue(qkv, pool, offsets, q_norm,
+    k_norm)`` that also writes the new token into the tail. None where no kernel here
+    runs it (another backend, or a shape it does not cover): then the caller runs
+    ``prologue.reference`` and `attend_plan`'s path, which give the same bits."""
+    mod = _chosen(use_kernel)
+    check = getattr(mod, "prologue_supports", None)
+    flat = (q_shape[0], q_shape[1], q_shape[-1])
+    if check is None or flat[0] == 0 or mod.supports(flat, q_dtype, pool, bits, group_size) is not None \
+            or check(flat, q_dtype, pool, prologue) is not None:
+        return None
+    return mod.attend_plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, scale=scale,
+                           bits=bits, group_size=group_size, rotate_out=rotate_out, prologue=prologue)
 
 
 def decode_attend(q: mx.array, pool: KiviPool, block_tables: mx.array, num_blocks: mx.array, slots: mx.array,

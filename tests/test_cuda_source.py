@@ -16,13 +16,13 @@ import mlx.core as mx
 import pytest
 
 from kiviq.kernels.cuda_flush import layer_prologue
-from kiviq.kernels.cuda_offline import compile_and_count, find_cuobjdump, ptx_code, split_mma_unit
+from kiviq.kernels.cuda_offline import compile_and_count, find_cuobjdump, ptx_code, split_unit
 from kiviq.kernels.cuda_source import HEADER, SOURCE_DIR, compact, kernel_header, read, top_level_items, translation_unit
 from kiviq.kernels.launch import MMA_BLOCKS_PER_SM, POOL_NAMES, WARPS
 
 SOURCES = {"split_mma": read("cuda/attend_split_mma.cu"), "split": read("cuda/attend_split.cu"),
            "merge": read("cuda/attend_merge.cu"), "flush": read("cuda/flush_quantize.cu"),
-           "flush_fused": read("cuda/flush_fused.cu"), "qk_rope": read("cuda/qk_rope.cu"),
+           "flush_fused": read("cuda/flush_fused.cu"),
            "write_blocks": read("cuda/write_blocks.cu"), "add_rms_norm": read("cuda/add_rms_norm.cu")}
 NAME = re.compile(r"\b(?:kivi|KIVI)_\w+")
 
@@ -35,7 +35,7 @@ def _compiled() -> dict:
     parallel (nvcc and cuobjdump are subprocesses, ~2.5 s each)."""
     keys = [(dtype, bits) for dtype in (mx.float16, mx.bfloat16) for bits in (2, 4)]
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as ex:
-        jobs = {k: ex.submit(compile_and_count, split_mma_unit(k[0], k[1], 128, 4, MMA_BLOCKS_PER_SM.get(k)),
+        jobs = {k: ex.submit(compile_and_count, split_unit(k[0], k[1], 128, 4, MMA_BLOCKS_PER_SM.get(k)),
                              find_cuobjdump(), None)
                 for k in keys}
         return {k: job.result() for k, job in jobs.items()}
@@ -84,7 +84,7 @@ def test_kernel_header_defines_everything_the_kernel_reaches(kernel):
 def test_every_kernel_source_file_is_tested():
     assert {p.name for p in (SOURCE_DIR / "cuda").glob("*.cu")} == {
         "attend_split_mma.cu", "attend_split.cu", "attend_merge.cu", "flush_quantize.cu", "flush_fused.cu",
-        "qk_rope.cu", "write_blocks.cu", "add_rms_norm.cu"}
+        "write_blocks.cu", "add_rms_norm.cu"}
 
 
 def test_merge_and_flush_leave_the_split_machinery_out():
@@ -101,15 +101,28 @@ def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
     bf, u8, f32, i32 = mx.bfloat16, mx.uint8, mx.float32, mx.int32
     pool = list(zip(POOL_NAMES, [u8, bf, bf, u8, bf, bf, bf, bf]))
     attend_in = [("q", bf), *pool, ("block_tables", i32), ("num_blocks", i32), ("slots", i32),
-                 ("tail_lens", i32), ("params", i32), ("qscale_in", f32), ("k_new", bf), ("v_new", bf)]
+                 ("tail_lens", i32), ("params", i32), ("qscale_in", f32), ("k_new", bf), ("v_new", bf),
+                 ("q_norm", bf), ("k_norm", bf), ("offsets", i32), ("rope", f32)]
     attend_out = [("part_acc", f32), ("part_ml", f32)]
     cases = [
         ("split_mma", attend_in, attend_out,
-         [("T", bf), ("SD", bf), ("D", 128), ("G", 32), ("BITS", 4), ("REP", 4), ("NW", 4)]),
+         [("T", bf), ("SD", bf), ("D", 128), ("G", 32), ("BITS", 4), ("REP", 4), ("NW", 4), ("PRO", 0),
+          ("NORM", 0), ("ROT_IN", 0)]),
         ("split_mma", [(n, mx.float16 if dt == bf else dt) for n, dt in attend_in], attend_out,
-         [("T", mx.float16), ("SD", mx.float16), ("D", 64), ("G", 32), ("BITS", 2), ("REP", 8), ("NW", 4)]),
+         [("T", mx.float16), ("SD", mx.float16), ("D", 64), ("G", 32), ("BITS", 2), ("REP", 8), ("NW", 4),
+          ("PRO", 1), ("NORM", 0), ("ROT_IN", 1)]),
+        ("split_mma", attend_in, attend_out,  # the decode prologue inside (Qwen3's q/k norms)
+         [("T", bf), ("SD", bf), ("D", 128), ("G", 32), ("BITS", 4), ("REP", 4), ("NW", 4), ("PRO", 1),
+          ("NORM", 1), ("ROT_IN", 0)]),
+        ("split_mma", [(n, f32 if n in ("q", "q_norm", "k_norm") else dt) for n, dt in attend_in], attend_out,
+         [("T", f32), ("SD", bf), ("D", 64), ("G", 32), ("BITS", 4), ("REP", 2), ("NW", 4), ("PRO", 0),
+          ("NORM", 0), ("ROT_IN", 0)]),
         ("split", attend_in, attend_out,
-         [("T", bf), ("SD", bf), ("D", 64), ("G", 16), ("BITS", 8), ("REP", 3), ("NW", 4)]),
+         [("T", bf), ("SD", bf), ("D", 64), ("G", 16), ("BITS", 8), ("REP", 3), ("NW", 4), ("PRO", 1),
+          ("NORM", 1), ("ROT_IN", 1)]),
+        ("split", attend_in, attend_out,  # D = 256: no prologue (it is instantiated for D 64 only)
+         [("T", bf), ("SD", bf), ("D", 256), ("G", 32), ("BITS", 8), ("REP", 2), ("NW", 4), ("PRO", 0),
+          ("NORM", 0), ("ROT_IN", 0)]),
         ("merge", [("part_acc", f32), ("part_ml", f32), ("params", i32)], [("out", bf)],
          [("T", bf), ("D", 128), ("REP", 4), ("MAX_SPLITS", 1024), ("MERGE_WARPS", 16), ("ROTATE", 0)]),
         ("merge", [("part_acc", f32), ("part_ml", f32), ("params", i32)], [("out", mx.float16)],
@@ -123,13 +136,6 @@ def test_pruned_compact_kernels_compile_to_the_same_ptx(tmp_path):
          [("done", i32)], [("SD", bf), ("D", 128), ("G", 32), ("BITS", 4)]),
         ("write_blocks", [*pool[:6], ("keys", bf), ("values", bf), ("first", i32), ("ids", i32), ("params", i32)],
          [("done", i32)], [("SD", bf), ("D", 128), ("G", 32), ("BITS", 2)]),
-        ("qk_rope", [("qkv", bf), ("q_weight", bf), ("k_weight", bf), ("offsets", i32), ("params", f32)],
-         [("q", bf), ("k", bf), ("v", bf)],
-         [("T", bf), ("D", 128), ("HQ", 32), ("HKV", 8), ("NORM", 1), ("ROTATE", 0)]),
-        ("qk_rope", [("qkv", mx.float16), ("q_weight", mx.float16), ("k_weight", mx.float16), ("offsets", i32),
-                     ("params", f32)],
-         [("q", mx.float16), ("k", mx.float16), ("v", mx.float16)],
-         [("T", mx.float16), ("D", 64), ("HQ", 9), ("HKV", 3), ("NORM", 0), ("ROTATE", 1)]),
         ("add_rms_norm", [("x", bf), ("r", bf), ("w", bf)], [("h", bf), ("y", bf)],
          [("T", bf), ("N", 2560), ("BLOCK", 64), ("CHUNKS", 5), ("EPS_BITS", 897988541)]),
         ("add_rms_norm", [("x", mx.float16), ("r", mx.float16), ("w", mx.float16)],
@@ -174,8 +180,8 @@ def test_launch_bounds_hold_the_mma_kernel_to_its_blocks_per_sm():
     product's bounded kernels (launch.MMA_BLOCKS_PER_SM) fit their blocks of WARPS warps
     in an SM's 65,536 registers."""
     cuobjdump = find_cuobjdump()
-    free, _ = compile_and_count(split_mma_unit(mx.bfloat16, 4, 128, 4), cuobjdump, None)
-    held, _ = compile_and_count(split_mma_unit(mx.bfloat16, 4, 128, 4, 4), cuobjdump, None)
+    free, _ = compile_and_count(split_unit(mx.bfloat16, 4, 128, 4), cuobjdump, None)
+    held, _ = compile_and_count(split_unit(mx.bfloat16, 4, 128, 4, 4), cuobjdump, None)
     assert held * WARPS * 32 * 4 <= 65536 < free * WARPS * 32 * 4, (held, free)
     for (dtype, bits), blocks in MMA_BLOCKS_PER_SM.items():
         registers = _compiled()[dtype, bits][0]

@@ -37,7 +37,8 @@ def _same(a: mx.array, b: mx.array) -> bool:
 def test_device_meta_views_hold_the_inputs_and_the_new_token_params(b, width):
     meta = _meta(b, width)
     params_new = const((width, 2, 3, 160, 5, 1), mx.int32)
-    views, views_new = cuda_attend.device_meta(meta, params_new)
+    rope = (1e-6, 19.931568, 1.0)  # the prologue's eps, log2(RoPE base), RoPE scale
+    views, views_new, rope_view = cuda_attend.device_meta(meta, params_new, rope)
     for got, want in zip(views[:5], meta[:5]):
         assert _same(got, want)
     assert _same(views_new[4], params_new)
@@ -47,6 +48,7 @@ def test_device_meta_views_hold_the_inputs_and_the_new_token_params(b, width):
     assert views[5].shape == (4,) and views[5].dtype == mx.float32
     assert np.all(np.array(views[5]) == np.array(meta[5])[0])
     assert views_new[5] is views[5]
+    assert rope_view.dtype == mx.float32 and np.array_equal(np.array(rope_view)[:3], np.array(rope, np.float32))
 
 
 def test_flush_meta_is_the_same_values():

@@ -7,6 +7,9 @@
 // new token]; qscale_in float32 = scale * log2(e); k_new, v_new [B, H_kv, D] (SD).
 // Outputs: part_acc float32 [B, H_kv, S + tail splits, REP, D], part_ml float32 [.., REP, 2].
 // Grid: x = ceil(splits / NW) blocks of NW warps, y = H_kv, z = B.
+// PRO = 1 (D 64 or 128): q is the step's fused q/k/v row [B, (H_q + 2 H_kv) D]; the block
+// makes its kv head's query rows first (kivi_prologue_block in kivi.cuh) and the tail's
+// writer the new k and v, instead of reading q, k_new and v_new.
   constexpr int P = 8 / BITS;
   constexpr int KROW = G / P;        // bytes of one k_codes row (one channel, G tokens)
   constexpr int VROW = D / P;        // bytes of one v_codes row (one token, D channels)
@@ -19,12 +22,22 @@
 
   __shared__ __align__(16) float qs[D * REP];         // [D][REP] q * scale * log2(e)
   __shared__ __align__(16) float ps[NW * REP * STEP];  // per warp: [REP][STEP] p
+  constexpr int PD = PRO ? D : 64;  // the prologue's head_dim (it is instantiated for D 64 and 128 only)
+  static_assert(!PRO || PD == D, "decode prologue: head_dim 64 or 128");
+  static_assert(!PRO || kivi_same<T, SD>::value, "the prologue writes the model's dtype into the tail");
+  __shared__ __align__(16) SD kv_rows[PRO ? NW * 2 * D : 1];  // per warp: the new k and v (PRO)
+  __shared__ __align__(16) float trig[PRO ? PD : 1];           // RoPE's cos and sin (PRO)
+  __shared__ __align__(16) T q_rows[PRO ? REP * PD : 1];       // the kv head's query rows (PRO)
 
   KIVI_SPLIT_INDICES
 
   // q rows of this kv head's query heads are contiguous: [REP][D].
   {
     const T* qp = q + ((size_t)b * H_kv + h) * (REP * D);
+    if constexpr (PRO) {
+      kivi_prologue_block<T, PD, NORM, ROT_IN, REP>(q, q_norm, rope, offsets, b, h, H_kv, trig, q_rows);
+      qp = q_rows;
+    }
     const float qscale = qscale_in[0];
     for (int i = threadIdx.x; i < REP * D; i += NW * 32) {
       qs[(i % D) * REP + i / D] = kivi_f(qp[i]) * qscale;
@@ -157,8 +170,19 @@
     }
   } else {
     KIVI_TAIL_CHUNK
-    kivi_tail_attend<SD, D, REP, STEP>(qs, pw, tail_k + base, tail_v + base, rows, nr,
-                                       k_new + kv, v_new + kv, lane, m, l, acc);
+    const SD* kn = k_new + kv;
+    const SD* vn = v_new + kv;
+    if constexpr (PRO) {
+      if (nr >= 0) {
+        SD* rows_kv = kv_rows + warp * 2 * D;
+        kivi_prologue_kv<T, PD, NORM, ROT_IN, REP>(q, k_norm, rope, trig, b, h, H_kv, rows_kv, rows_kv + D);
+        __syncwarp();
+        kn = rows_kv;
+        vn = rows_kv + D;
+      }
+    }
+    kivi_tail_attend<SD, D, REP, STEP>(qs, pw, tail_k + base, tail_v + base, rows, nr, kn, vn, lane, m, l,
+                                       acc);
   }
   kivi_write_part<D, REP>(m, l, acc, lane, part_acc, part_ml,
                           ((size_t)(b * H_kv + h) * nsu + split) * REP);

@@ -27,6 +27,9 @@
 // tile's instructions (offline SASS, kernels.cuda_offline).
 // Numerics: K_hat and V_hat are never rounded; q * s and p * s are, once each to the
 // pool dtype, with zeros' terms from the rounded q and p.
+// PRO = 1: q is the step's fused q/k/v row [B, (H_q + 2 H_kv) D]; the thread block makes
+// its kv head's query rows first (kivi_prologue_block in kivi.cuh, the block's only
+// barriers), and the tail's writer the new k and v (instead of k_new / v_new).
   constexpr int P = 8 / BITS;
   constexpr int LW = D * BITS / 32;  // code words of a lane in a K (and in a V) tile
   constexpr int KT = D / 16;      // k-tiles of the K phase
@@ -37,15 +40,21 @@
   constexpr int WB = 2 * SB + 16 * G;    // per warp: 2 stages, p
   static_assert(kivi_lane_order<BITS, G, D>(), "MMA kernel: G = 32, bits 2 or 4, D 64 or 128 (lane order)");
   constexpr bool OFF = !kivi_same<SD, __half>::value;  // codes carry an offset (bf16)
-  static_assert(WB >= REP * (D + 32) * 4, "tail warp scratch fits in its region");
+  static_assert(WB >= REP * (D + 32) * 4 + 2 * D * sizeof(SD), "tail warp scratch fits in its region");
   // Per warp: stages 0 and 1 (cp.async double buffer) and p as [8 heads][32 tokens] in
   // SD. The tail warp uses its region for q (float) and p instead. No block-wide
-  // barrier anywhere.
+  // barrier but the prologue's.
   __shared__ __align__(16) uint8_t smem[NW * WB];
+  __shared__ __align__(16) float trig[PRO ? D : 1];     // RoPE's cos and sin (PRO)
+  __shared__ __align__(16) T q_rows[PRO ? REP * D : 1];  // the kv head's query rows (PRO)
 
   KIVI_SPLIT_INDICES
-  if (split >= nsu) return;
   const T* qp = q + ((size_t)b * H_kv + h) * (REP * D);
+  if constexpr (PRO) {
+    kivi_prologue_block<T, D, NORM, ROT_IN, REP>(q, q_norm, rope, offsets, b, h, H_kv, trig, q_rows);
+    qp = q_rows;
+  }
+  if (split >= nsu) return;
   const float qscale = qscale_in[0];
   uint8_t* ws = smem + warp * WB;
   const size_t oi = ((size_t)(b * H_kv + h) * nsu + split) * REP;
@@ -63,8 +72,19 @@
       for (int j = 0; j < 8; ++j) acc[r][j] = 0.0f;
     }
     KIVI_TAIL_CHUNK
-    kivi_tail_attend<SD, D, REP, 32>(qs, qs + D * REP, tail_k + base, tail_v + base, rows, nr,
-                                     k_new + kv, v_new + kv, lane, m, l, acc);
+    const SD* kn = k_new + kv;
+    const SD* vn = v_new + kv;
+    if constexpr (PRO) {  // the new token's rows, after q and p in this warp's region
+      if (nr >= 0) {
+        SD* rows_kv = reinterpret_cast<SD*>(ws + REP * (D + 32) * 4);
+        kivi_prologue_kv<T, D, NORM, ROT_IN, REP>(q, k_norm, rope, trig, b, h, H_kv, rows_kv, rows_kv + D);
+        __syncwarp();
+        kn = rows_kv;
+        vn = rows_kv + D;
+      }
+    }
+    kivi_tail_attend<SD, D, REP, 32>(qs, qs + D * REP, tail_k + base, tail_v + base, rows, nr, kn, vn,
+                                     lane, m, l, acc);
     kivi_write_part<D, REP>(m, l, acc, lane, part_acc, part_ml, oi);
     return;
   }
