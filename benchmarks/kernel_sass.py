@@ -4,7 +4,11 @@ Compiles `kivi_attend_split_mma` as MLX would (`kernels.cuda_offline`: nvcc for
 sm_90a, no register limit unless `--maxrregcount`), disassembles it with cuobjdump and
 counts the SASS instructions of the block loop (one (block, kv head) tile per trip).
 
-    python3 benchmarks/kernel_sass.py --dtype fp16 bf16 --bits 4 2
+    python3 benchmarks/kernel_sass.py --dtype fp16 bf16 --bits 4 2 [--prologue]
+
+`--prologue`: the kernel as an engine's decode step runs it, the decode prologue
+inside (q/k norms and the 2r rotation compiled in); without it, as a caller that
+gives q runs it (`kernels.cuda_attend.kivi_decode_attend`, `kernel_attend.py`).
 
 Needs nvcc (CUDA 12.4+) and cuobjdump: `pip install nvidia-cuda-cuobjdump` puts one
 under site-packages/nvidia/cu13/bin, found automatically, or give --cuobjdump.
@@ -35,6 +39,7 @@ def main() -> None:
     p.add_argument("--maxrregcount", type=int, default=None)
     p.add_argument("--min-blocks", type=int, nargs="+", default=[0], dest="min_blocks",
                    help="__launch_bounds__ blocks per SM to compile for, one row each (0: no bounds)")
+    p.add_argument("--prologue", action="store_true", help="compile the decode prologue in (PRO = 1)")
     p.add_argument("--cuobjdump", default=None)
     a = p.parse_args()
     if shutil.which("nvcc") is None:
@@ -43,13 +48,14 @@ def main() -> None:
     if cuobjdump is None:
         sys.exit("cuobjdump not found: pip install nvidia-cuda-cuobjdump, or pass --cuobjdump")
     ops = ("LOP3", "SHF", "HADD2", "HFMA2", "HMUL2", "HMMA", "LDS", "PRMT", "FMUL", "FFMA", "LDL", "STL")
-    print(f"D={a.head_dim}, REP={a.rep}, sm_90a, maxrregcount {a.maxrregcount or 'none'}")
+    print(f"D={a.head_dim}, REP={a.rep}, sm_90a, maxrregcount {a.maxrregcount or 'none'}, "
+          f"prologue {'in' if a.prologue else 'out'}")
     print("| dtype | bits | blocks per SM bound | registers | block-loop instructions | " + " | ".join(ops) + " |")
     print("|---|---|---|---|---|" + "---|" * len(ops))
     for name in a.dtype:
         for bits in a.bits:
             for blocks in a.min_blocks:
-                unit = split_unit(DTYPES[name], bits, a.head_dim, a.rep, blocks or None)
+                unit = split_unit(DTYPES[name], bits, a.head_dim, a.rep, blocks or None, prologue=a.prologue)
                 regs, loop = compile_and_count(unit, cuobjdump, a.maxrregcount)
                 print(f"| {name} | {bits} | {blocks or '-'} | {regs} | {sum(loop.values())} | "
                       + " | ".join(str(loop.get(o, 0)) for o in ops) + " |", flush=True)

@@ -283,11 +283,13 @@ __device__ __forceinline__ uint4 kivi_prologue_head(const T* head, const T* weig
 // [REP][D] of T, warp w making heads w, w + NW, ...; every thread of the block must call
 // it (two barriers). Computed once per block instead of once per warp: per warp, the
 // trigonometry alone made the B=32 x 4k split kernel 27% slower (H100, 20 warps per
-// (b, h)).
+// (b, h)). Called, not inlined: inlined, it reshaped the register allocation of the MMA
+// kernel's block loop (fp16 2-bit: 513 -> 531 instructions per tile, 520 called;
+// `benchmarks/kernel_sass.py --prologue`).
 template <typename T, int D, int NORM, int ROT_IN, int REP>
-__device__ __forceinline__ void kivi_prologue_block(const T* qkv, const T* q_norm, const float* rope,
-                                                    const int* offsets, int b, int h, int H_kv, float* trig,
-                                                    T* rows) {
+__device__ __noinline__ void kivi_prologue_block(const T* qkv, const T* q_norm, const float* rope,
+                                                 const int* offsets, int b, int h, int H_kv, float* trig,
+                                                 T* rows) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   kivi_rope_table<D>(rope[2] * static_cast<float>(offsets[b]), rope[1], trig);
