@@ -1,8 +1,8 @@
 """The CUDA text handed to `mx.fast.cuda_kernel`: only what a kernel uses, no comments.
 
-The kernels live in kernels/cuda/ (`kivi.cuh`, the shared device helpers, `kivi_mma.cuh`,
-the tensor-core kernel's, and one `.cu` file per kernel body) and are read once at
-import (`read`).
+The kernels live in kernels/cuda/ (`kivi.cuh`, the shared device helpers, `kivi_prologue.cuh`,
+the split kernels' decode prologue, `kivi_mma.cuh`, the tensor-core kernel's, and one `.cu`
+file per kernel body) and are read once at import (`read`).
 
 Why it matters: MLX's CUDA `custom_kernel` pastes header + source into a new
 string at every call (while the graph is built) and hashes that whole string at
@@ -45,15 +45,17 @@ def read(name: str) -> str:
     return (SOURCE_DIR / name).read_text()
 
 
-# The headers as one text (kivi_mma.cuh builds on kivi.cuh); each kernel gets its share.
-HEADER = read("cuda/kivi.cuh") + read("cuda/kivi_mma.cuh")
+# The headers as one text (kivi_prologue.cuh and kivi_mma.cuh build on kivi.cuh); each kernel
+# gets its share.
+HEADER = read("cuda/kivi.cuh") + read("cuda/kivi_prologue.cuh") + read("cuda/kivi_mma.cuh")
 
 
 def cuda_kernel(file: str, *, name: str, input_names, output_names, prologue: str = "",
                 bounds: tuple[int, int] | None = None, **kw):
     """`mx.fast.cuda_kernel` of the kernel body in kernels/cuda/`file` (after
-    `prologue`, generated code), compacted, with the items of kernels/cuda/kivi.cuh and
-    kivi_mma.cuh it reaches as its header; None where MLX has no CUDA backend.
+    `prologue`, generated code), compacted, with the items of kernels/cuda/kivi.cuh,
+    kivi_prologue.cuh and kivi_mma.cuh it reaches as its header; None where MLX has no
+    CUDA backend.
     bounds: (threads per block, blocks per SM) the compiler must fit (`launch_bounds`)."""
     if not cuda_available():
         return None

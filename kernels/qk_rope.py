@@ -7,7 +7,7 @@ launches) and rotates them (two ``rope`` launches); a rotated cache (``--kv-bits
 launches). A decode step's time is mostly MLX's host work per op, so on CUDA the
 split attention kernels do all of that themselves (``Prologue`` describes it to
 ``kernels.cuda_attend.AttendPlan.with_prologue``; the device code is
-``kivi_prologue_*`` in kernels/cuda/kivi.cuh), with the same bits.
+kernels/cuda/kivi_prologue.cuh), with the same bits.
 ``qk_rope_reference`` is the same computation with the stock ops: what the kernels
 are tested against, and what runs where they do not.
 """
