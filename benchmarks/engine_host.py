@@ -79,6 +79,8 @@ def child(args) -> dict:
     if args.attention == "stub":  # the store calls the dispatcher through these module names
         kiviq.engine.kv_store.decode_attend = lambda q, *_, **__: q  # trees before the per-step plan
         kiviq.engine.kv_store.attend_plan = lambda *_, **__: (lambda q, pool: q)
+        # A decode step's prologue-in-the-kernel (CUDA) then takes the stock ops' path to it.
+        kiviq.engine.kv_store.prologue_plan = lambda *_, **__: None
 
     cfg = model_args(args.hidden, args.vocab)
     model_cls, args_cls = _get_classes(cfg)
