@@ -281,7 +281,7 @@ class Engine:
         elif len(generated) >= req.max_tokens:
             event = self._finish(seq, [token], "length", text)
         else:
-            event = StepEvent(req.request_id, [token], text, None, None, len(req.prompt_tokens))
+            event = StepEvent(req.request_id, [token], text, prompt_tokens=len(req.prompt_tokens))
         if logprob is not None:
             event.logprobs = [logprob]
         return event

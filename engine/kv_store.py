@@ -115,9 +115,10 @@ class KiviStore:
             check_rotation(head_dim)
         # The map from the model's basis into the pools' (None: the same basis); its
         # own inverse. Rotated pools hold K H and V H (KVConfig.rotate): the store
-        # writes and flushes them like any others; its callers (KiviLayerCache.attend,
-        # the decode prologue: prologue_and_attend) rotate q, k and v on the way in, and the output
-        # goes out rotated back (decode: the attention launch's merge; prefill: the caller).
+        # writes and flushes them like any others; its callers (KiviLayerCache.attend, the
+        # decode prologue: prologue_and_attend) rotate q, k and v on the way in, and the
+        # output goes out rotated back (decode: the attention launch's merge; prefill: the
+        # caller).
         self.rotation = hadamard_rotate if config.rotate else None
         self.config = config
         self.num_layers = num_layers

@@ -98,7 +98,7 @@ def mma_supports(q_shape, pool: KiviPool, bits: int, group_size: int) -> str | N
 
 def device_meta(meta: list, params_new: mx.array, rope: tuple = (0.0, 0.0, 0.0)) -> tuple[list, list, mx.array]:
     """`meta` and its new-token twin as views of one device array (`packed_views`),
-    and the prologue's float32 constants `rope` (`qk_rope.rope_constants`) from it.
+    and the prologue's float32 constants `rope` (`qk_rope.Prologue.constants`) from it.
 
     The launch constants (both params, the query scale four times over and `rope`, as
     float32 bits) travel in one host array made for this plan. MLX keeps small
@@ -195,7 +195,7 @@ class AttendPlan:
         over `pool`, the decode prologue (`prologue`: q/k norm with `q_norm`, `k_norm`,
         RoPE at `offsets` [B] int32, the 2r rotation) run inside the split kernel; the new
         token's k and v go into the tail as `__call__` writes `k_new`, `v_new`. Bits
-        equal to `kernels.qk_rope.prologue_reference` followed by `__call__`."""
+        equal to `kernels.qk_rope.Prologue.reference` followed by `__call__`."""
         if self.prologue is None:
             raise ValueError("this plan was made without a prologue")
         if self.prologue.norm and (q_norm is None or k_norm is None):

@@ -8,8 +8,8 @@
 // Outputs: part_acc float32 [B, H_kv, S + tail splits, REP, D], part_ml float32 [.., REP, 2].
 // Grid: x = ceil(splits / NW) blocks of NW warps, y = H_kv, z = B.
 // PRO = 1 (D 64 or 128): q is the step's fused q/k/v row [B, (H_q + 2 H_kv) D]; the block
-// makes its kv head's query rows first (kivi_prologue_block in kivi_prologue.cuh) and the tail's
-// writer the new k and v, instead of reading q, k_new and v_new.
+// makes its kv head's query rows first (kivi_prologue_block in kivi_prologue.cuh) and the
+// tail's writer the new k and v, instead of reading q, k_new and v_new.
   constexpr int P = 8 / BITS;
   constexpr int KROW = G / P;        // bytes of one k_codes row (one channel, G tokens)
   constexpr int VROW = D / P;        // bytes of one v_codes row (one token, D channels)

@@ -28,8 +28,8 @@
 // Numerics: K_hat and V_hat are never rounded; q * s and p * s are, once each to the
 // pool dtype, with zeros' terms from the rounded q and p.
 // PRO = 1: q is the step's fused q/k/v row [B, (H_q + 2 H_kv) D]; the thread block makes
-// its kv head's query rows first (kivi_prologue_block in kivi_prologue.cuh, the block's only
-// barriers), and the tail's writer the new k and v (instead of k_new / v_new).
+// its kv head's query rows first (kivi_prologue_block in kivi_prologue.cuh, the block's
+// only barriers), and the tail's writer the new k and v (instead of k_new / v_new).
   constexpr int P = 8 / BITS;
   constexpr int LW = D * BITS / 32;  // code words of a lane in a K (and in a V) tile
   constexpr int KT = D / 16;      // k-tiles of the K phase
