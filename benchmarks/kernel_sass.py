@@ -25,7 +25,7 @@ import mlx.core as mx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kiviq.kernels.cuda_offline import compile_and_count, find_cuobjdump, split_unit  # noqa: E402
+from kiviq.kernels.cuda_offline import compile_and_count, find_cuobjdump, split_mma_unit  # noqa: E402
 
 DTYPES = {"fp16": mx.float16, "bf16": mx.bfloat16}
 
@@ -55,7 +55,7 @@ def main() -> None:
     for name in a.dtype:
         for bits in a.bits:
             for blocks in a.min_blocks:
-                unit = split_unit(DTYPES[name], bits, a.head_dim, a.rep, blocks or None, prologue=a.prologue)
+                unit = split_mma_unit(DTYPES[name], bits, a.head_dim, a.rep, blocks or None, prologue=a.prologue)
                 regs, loop = compile_and_count(unit, cuobjdump, a.maxrregcount)
                 print(f"| {name} | {bits} | {blocks or '-'} | {regs} | {sum(loop.values())} | "
                       + " | ".join(str(loop.get(o, 0)) for o in ops) + " |", flush=True)

@@ -44,22 +44,21 @@ def find_cuobjdump() -> str | None:
     return None
 
 
-def split_unit(sd, bits: int, d: int, rep: int, min_blocks: int | None = None, *, prologue: bool = False,
-               group_size: int = 32, file: str = "attend_split_mma.cu") -> str:
-    """A split kernel's translation unit for one template (q in the pool dtype; the MMA
-    kernel unless `file` names the CUDA-core one); with `min_blocks`, under
-    `__launch_bounds__(WARPS * 32, min_blocks)` (`launch_bounds`); with `prologue`, the
-    decode prologue in it (PRO = 1, q/k norms and the rotation included)."""
+def split_mma_unit(sd, bits: int, d: int, rep: int, min_blocks: int | None = None, *,
+                   prologue: bool = False) -> str:
+    """The MMA split kernel's translation unit for one template (q in the pool dtype);
+    with `min_blocks`, under `__launch_bounds__(WARPS * 32, min_blocks)` (`launch_bounds`);
+    with `prologue`, the decode prologue in it (PRO = 1, q/k norms and the rotation)."""
     dtypes = {"q": sd, "k_codes": mx.uint8, "v_codes": mx.uint8, "qscale_in": mx.float32, "rope": mx.float32,
               **dict.fromkeys(("block_tables", "num_blocks", "slots", "tail_lens", "params", "offsets"),
                               mx.int32)}
     inputs = [(n, dtypes.get(n, sd)) for n in ATTEND_INPUTS]
     outputs = [(n, mx.float32) for n in ATTEND_OUTPUTS]
-    template = [("T", sd), ("SD", sd), ("D", d), ("G", group_size), ("BITS", bits), ("REP", rep),
+    template = [("T", sd), ("SD", sd), ("D", d), ("G", 32), ("BITS", bits), ("REP", rep),
                 ("NW", WARPS), ("PRO", int(prologue)), ("NORM", int(prologue)), ("ROT_IN", int(prologue))]
-    source = read("cuda/" + file)
+    source = read("cuda/attend_split_mma.cu")
     header = kernel_header(HEADER, source) + (launch_bounds(WARPS * 32, min_blocks) if min_blocks else "")
-    return translation_unit("kivi_" + file.removesuffix(".cu"), header, compact(source), inputs, outputs, template)
+    return translation_unit("kivi_attend_split_mma", header, compact(source), inputs, outputs, template)
 
 
 def nvcc(unit: str, out_kind: str, out_dir: str, tag: str = "k", extra: tuple = ()) -> str:

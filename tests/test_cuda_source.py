@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 
 from kiviq.kernels.cuda_flush import layer_prologue
-from kiviq.kernels.cuda_offline import compile_and_count, find_cuobjdump, ptx_code, split_unit
+from kiviq.kernels.cuda_offline import compile_and_count, find_cuobjdump, ptx_code, split_mma_unit
 from kiviq.kernels.cuda_source import HEADER, SOURCE_DIR, compact, kernel_header, read, top_level_items, translation_unit
 from kiviq.kernels.launch import MMA_BLOCKS_PER_SM, POOL_NAMES, WARPS
 
@@ -35,7 +35,7 @@ def _compiled() -> dict:
     parallel (nvcc and cuobjdump are subprocesses, ~2.5 s each)."""
     keys = [(dtype, bits) for dtype in (mx.float16, mx.bfloat16) for bits in (2, 4)]
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as ex:
-        jobs = {k: ex.submit(compile_and_count, split_unit(k[0], k[1], 128, 4, MMA_BLOCKS_PER_SM.get(k)),
+        jobs = {k: ex.submit(compile_and_count, split_mma_unit(k[0], k[1], 128, 4, MMA_BLOCKS_PER_SM.get(k)),
                              find_cuobjdump(), None)
                 for k in keys}
         return {k: job.result() for k, job in jobs.items()}
@@ -180,8 +180,8 @@ def test_launch_bounds_hold_the_mma_kernel_to_its_blocks_per_sm():
     product's bounded kernels (launch.MMA_BLOCKS_PER_SM) fit their blocks of WARPS warps
     in an SM's 65,536 registers."""
     cuobjdump = find_cuobjdump()
-    free, _ = compile_and_count(split_unit(mx.bfloat16, 4, 128, 4), cuobjdump, None)
-    held, _ = compile_and_count(split_unit(mx.bfloat16, 4, 128, 4, 4), cuobjdump, None)
+    free, _ = compile_and_count(split_mma_unit(mx.bfloat16, 4, 128, 4), cuobjdump, None)
+    held, _ = compile_and_count(split_mma_unit(mx.bfloat16, 4, 128, 4, 4), cuobjdump, None)
     assert held * WARPS * 32 * 4 <= 65536 < free * WARPS * 32 * 4, (held, free)
     for (dtype, bits), blocks in MMA_BLOCKS_PER_SM.items():
         registers = _compiled()[dtype, bits][0]
