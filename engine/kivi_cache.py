@@ -34,8 +34,9 @@ from mlx_lm.models import base as mlx_lm_base
 
 from kiviq.engine.block_manager import blocks_for_budget
 from kiviq.engine.device_memory import default_kv_memory
-from kiviq.engine.kv_store import DecodeBatch, KiviStore, KVConfig, PrefillBatch, SequenceKV
+from kiviq.engine.kv_store import KiviStore, KVConfig, SequenceKV
 from kiviq.engine.layer_pacer import LayerPacer
+from kiviq.engine.step_batches import DecodeBatch, PrefillBatch
 from kiviq.kernels.qk_rope import Prologue
 
 _stock_sdpa = mlx_lm_base.scaled_dot_product_attention

@@ -20,13 +20,13 @@ each layer only scatters its new token and runs its attention.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
 from kiviq.engine.block_manager import BlockManager, OutOfKVMemory, SequenceKV
 from kiviq.engine.config import KVConfig
+from kiviq.engine.step_batches import DecodeBatch, PrefillBatch
 from kiviq.kernels import (
     KiviPool,
     allocate_pool,
@@ -40,6 +40,8 @@ from kiviq.kernels.dispatch import (
     blocks_written_in_place,
     flush_layers,
     prologue_plan,
+    step_flush,
+    step_flush_params,
     write_blocks,
     writes_tail,
 )
@@ -47,51 +49,6 @@ from kiviq.kernels.qk_rope import Prologue
 from kiviq.kernels.rotation import check_rotation, hadamard_rotate
 
 __all__ = ["DecodeBatch", "KVConfig", "KiviStore", "OutOfKVMemory", "PrefillBatch", "SequenceKV"]
-
-
-@dataclass(eq=False, slots=True)
-class DecodeBatch:
-    """One batched decode step's metadata, the same in every layer (built by
-    ``KiviStore.begin_decode``; every int array is int32).
-
-    Shapes: slots, num_blocks, tail_lens [B];
-    block_tables [B, W], W = max(1, max num_blocks) rounded up to the store's
-    ``table_width_multiple``.
-    """
-
-    seqs: list[SequenceKV]
-    slots: mx.array
-    block_tables: mx.array  # pool block ids in token order; zeros past num_blocks
-    num_blocks: mx.array  # quantized blocks, this step's flushes included
-    tail_lens: mx.array  # tail tokens, the new one included
-    offsets: int | mx.array  # tokens before the new one (the RoPE offset); an int when B = 1
-    # (slot, kv head, tail index) of every new row, each [B, H_kv, 1]: one scatter
-    # per tail with prepared indices (numpy-style mixed indexing rebuilt them per layer)
-    # of the model's [B, H_kv, 1, D] rows as they come.
-    write_index: tuple[mx.array, mx.array, mx.array]
-    # The attention launch of this step (dispatch.attend_plan), made by the first
-    # layer, with whether it writes the tails itself (dispatch.writes_tail).
-    plans: dict = field(default_factory=dict)
-
-
-@dataclass(eq=False, slots=True)
-class PrefillBatch:
-    """The first chunks of new sequences run in one forward: where each real token
-    goes, the same in every layer (built by ``KiviStore.begin_prefill``; int arrays
-    int32, token indices into the forward's token-major rows).
-
-    Each chunk of n tokens follows the flush rule at once: its first
-    ``blocks_needed(n) * G`` tokens become quantized blocks, the rest the tail.
-    """
-
-    seqs: list[SequenceKV]
-    lengths: list[int]  # tokens per chunk
-    starts: list[int]  # each chunk's first token among the forward's token-major rows
-    block_first: mx.array | None  # [N]: the first token of each of the N new blocks
-    block_ids: mx.array | None  # [N]: their pool blocks
-    tail_src: mx.array | None  # [M]: the tokens that stay in a tail
-    tail_slot: mx.array | None  # [M, 1]
-    tail_pos: mx.array | None  # [M, 1]
 
 
 class KiviStore:
@@ -143,6 +100,9 @@ class KiviStore:
         # pools: then a later chunk need not finish its reads of a pool before its
         # writes (see append).
         self._blocks_in_place = blocks_written_in_place(p0, use_kernel)
+        # The in-place flush kernel's params where a decode step can flush inside its
+        # own graph (CUDA; see begin_decode), else None.
+        self._step_flush_params = step_flush_params(p0, config.flush_blocks, use_kernel)
         self.blocks = BlockManager(
             num_blocks, num_slots, num_layers=num_layers, group_size=config.group_size,
             residual=config.residual, flush_blocks=config.flush_blocks,
@@ -156,12 +116,8 @@ class KiviStore:
         # kernel's split plan.
         self.table_width_multiple = 1
         # Whether the last decode step's attention wrote the tails itself (the CUDA
-        # kernel, dispatch.writes_tail): then a flush need not wait for the device,
-        # since no scatter into the pools follows it in the next step.
+        # kernel, dispatch.writes_tail): then the next step flushes inside its graph.
         self._kernel_writes_tails = False
-        # A flush was left running on the device (its kernels still reference the
-        # pools): scatters into the pools must wait for it, or MLX copies the arrays.
-        self._unsettled = False
 
     @property
     def tails_written_in_place(self) -> bool:
@@ -243,7 +199,6 @@ class KiviStore:
         host sync per layer cost the device its queue).
         """
         g = self.config.group_size
-        self._settle()
         pool = self.pools[layer]
         t_old, n_new = seq.tail_lens[layer], k.shape[1]
         total = t_old + n_new
@@ -283,7 +238,6 @@ class KiviStore:
         g, n_layers = self.config.group_size, self.num_layers
         if any(s.offset(0, g) for s in seqs):
             raise ValueError("begin_prefill takes first chunks of new sequences")
-        self._settle()
         block_first, block_ids, tail_src, tail_slot, tail_pos = [], [], [], [], []
         for seq, n, base in zip(seqs, lengths, starts):
             nb = self.blocks.blocks_needed(n)
@@ -324,12 +278,16 @@ class KiviStore:
         """Prepare a decode step that commits one new token per sequence.
 
         Applies the flush rule first: a tail about to reach R + k*G tokens has
-        its oldest k*G quantized into k new blocks now, in every layer at once
-        (one host sync, before the step's graph; flushing after the write
-        would sync inside the forward, once per layer). The pools end the step
-        exactly as with a flush after the write: the same k*G tokens are
-        quantized and the tail is shifted the same way. The sequences'
-        bookkeeping is advanced here, for the token the step will write.
+        its oldest k*G quantized into k new blocks before the step's attention, in
+        every layer at once. Where the attention kernel writes the tails (CUDA),
+        the flush is ops of the step's own graph, made with its first attention
+        plan (``DecodeBatch.flush``, ``dispatch.step_flush``): no evaluation of
+        its own, and a compiled step replays it. Elsewhere it runs here, before
+        the step's graph (one host sync; flushing after the write would sync
+        inside the forward, once per layer). The pools end the step exactly as
+        with a flush after the write: the same k*G tokens are quantized and the
+        tail is shifted the same way. The sequences' bookkeeping is advanced
+        here, for the token the step will write.
 
         Args:
             seqs: the batch; with ``layer=None`` every layer of each must hold
@@ -349,14 +307,16 @@ class KiviStore:
                 if s.tail_lens.count(t) != n or s.blocks_used.count(nb) != n:
                     raise RuntimeError("a batched decode step needs every layer of a sequence to hold the same tokens")
         full = [i for i, (t, _) in enumerate(before) if t == r + kb * g - 1]
+        # Every step of a batch flushes in its graph once the kernel writes the tails
+        # (the flush's shape is the batch's, whoever flushes: one compiled trace).
+        in_graph = layer is None and self._kernel_writes_tails and self._step_flush_params is not None
+        ids = []
         if full:
             ids = [self.blocks.block(seqs[i], before[i][1] + j) for i in full for j in range(kb)]
+        if full and not in_graph:
             pools = self.pools if layer is None else [self.pools[layer]]
-            wait = not self._kernel_writes_tails
             flush_layers(pools, [seqs[i].slot for i in full], ids, [r + kb * g - 1] * len(full),
-                         bits=self.config.bits, group_size=g, blocks_per_slot=kb, wait=wait,
-                         use_kernel=self.use_kernel)
-            self._unsettled = not wait
+                         bits=self.config.bits, group_size=g, blocks_per_slot=kb, use_kernel=self.use_kernel)
         tails, blocks = [t + 1 for t, _ in before], [nb for _, nb in before]
         for i in full:
             tails[i], blocks[i] = r, blocks[i] + kb
@@ -371,10 +331,19 @@ class KiviStore:
         # each, measured on an H200); the arrays are views of it.
         b = len(seqs)
         tables = self.blocks.block_tables(seqs, blocks, self.table_width_multiple)
-        packed = mx.array(np.concatenate([
-            np.array([[s.slot for s in seqs], [t - 1 for t in tails], blocks, tails, offsets], dtype=np.int32).ravel(),
-            tables.ravel()]))
+        parts = [np.array([[s.slot for s in seqs], [t - 1 for t in tails], blocks, tails, offsets],
+                          dtype=np.int32).ravel(), tables.ravel()]
+        if in_graph:  # the flush's slots (-1 past the flushing ones), new blocks and params
+            flush = np.full(b + b * kb, -1, dtype=np.int32)
+            flush[:len(full)] = [seqs[i].slot for i in full]
+            flush[b:b + len(ids)] = ids
+            parts += [flush, np.array(self._step_flush_params, dtype=np.int32)]
+        packed = mx.array(np.concatenate(parts))
         slots, write_pos, num_blocks, tail_lens, offsets_d = (packed[i * b:(i + 1) * b] for i in range(5))
+        at = 5 * b + tables.size
+        step_flush_meta = None
+        if in_graph:
+            step_flush_meta = (packed[at:at + b], packed[at + b:at + b + b * kb], packed[at + b + b * kb:])
         shape = (b, self.pools[0].tail_k.shape[1], 1)
         write_index = (mx.broadcast_to(slots[:, None, None], shape),
                        mx.broadcast_to(mx.arange(shape[1], dtype=mx.int32)[None, :, None], shape),
@@ -382,11 +351,12 @@ class KiviStore:
         return DecodeBatch(
             seqs,
             slots=slots,
-            block_tables=packed[5 * b:].reshape(tables.shape),
+            block_tables=packed[5 * b:at].reshape(tables.shape),
             num_blocks=num_blocks,
             tail_lens=tail_lens,
             offsets=offsets[0] if b == 1 else offsets_d,
             write_index=write_index,
+            flush=step_flush_meta,
         )
 
     @contextlib.contextmanager
@@ -399,16 +369,9 @@ class KiviStore:
         finally:
             self.pools = saved
 
-    def _settle(self) -> None:
-        """Wait for a flush left running (see ``_unsettled``) before a scatter into the pools."""
-        if self._unsettled:
-            mx.synchronize()
-            self._unsettled = False
-
     def write_decode(self, layer: int, batch: DecodeBatch, k: mx.array, v: mx.array) -> None:
         """Write the step's new tokens k, v [B, H_kv, 1, D] (the model's layout; or
         [B, H_kv, D]) into ``layer``'s tails."""
-        self._settle()
         pool = self.pools[layer]
         if k.ndim == 3:
             k, v = k[:, :, None], v[:, :, None]
@@ -454,7 +417,7 @@ class KiviStore:
                 (b, prologue.n_heads, 1, d), qkv.dtype, self.pools[layer], batch.block_tables,
                 batch.num_blocks, batch.slots, batch.tail_lens, scale=scale, bits=self.config.bits,
                 group_size=self.config.group_size, prologue=prologue, use_kernel=self.use_kernel,
-                rotate_out=self.config.rotate)
+                rotate_out=self.config.rotate, after=self._step_flush(batch))
         if plan is not None:
             self._kernel_writes_tails = True
             return plan.with_prologue(qkv, self.pools[layer], offsets, q_norm, k_norm)
@@ -470,9 +433,22 @@ class KiviStore:
             plan = attend_plan(
                 q.shape, q.dtype, self.pools[layer], batch.block_tables, batch.num_blocks, batch.slots,
                 batch.tail_lens, scale=scale, bits=self.config.bits, group_size=self.config.group_size,
-                use_kernel=self.use_kernel, rotate_out=self.config.rotate)
+                use_kernel=self.use_kernel, rotate_out=self.config.rotate, after=self._step_flush(batch))
             made = batch.plans[key] = (plan, writes_tail(plan))
         return made
+
+    def _step_flush(self, batch: DecodeBatch) -> list[mx.array]:
+        """The step's flush as ops of its graph (``DecodeBatch.flush``), made once, with
+        the step's first attention plan, over the pools the forward uses (a compiled
+        step's stand-ins): what the plans' launches must follow. [] where the flush ran
+        before the step."""
+        if batch.flush is None:
+            return []
+        done = batch.plans.get("flush")
+        if done is None:
+            done = batch.plans["flush"] = step_flush(self.pools, *batch.flush, bits=self.config.bits,
+                                                     group_size=self.config.group_size, use_kernel=self.use_kernel)
+        return done
 
     def dense_past(self, layer: int, seq: SequenceKV) -> tuple[mx.array, mx.array]:
         """The sequence's committed K and V in ``layer`` as [H_kv, S, D] (blocks

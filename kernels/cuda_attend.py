@@ -43,6 +43,7 @@ Numerics (vs the float32 reference; tests/test_kernels_gpu.py states the contrac
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -96,9 +97,12 @@ def mma_supports(q_shape, pool: KiviPool, bits: int, group_size: int) -> str | N
     return None
 
 
-def device_meta(meta: list, params_new: mx.array, rope: tuple = (0.0, 0.0, 0.0)) -> tuple[list, list, mx.array]:
+def device_meta(meta: list, params_new: mx.array, rope: tuple = (0.0, 0.0, 0.0),
+                after: Sequence[mx.array] = ()) -> tuple[list, list, mx.array]:
     """`meta` and its new-token twin as views of one device array (`packed_views`),
     and the prologue's float32 constants `rope` (`qk_rope.Prologue.constants`) from it.
+    That array is made after the arrays `after` (int32; one more element each, never
+    read): so is every launch that reads it.
 
     The launch constants (both params, the query scale four times over and `rope`, as
     float32 bits) travel in one host array made for this plan. MLX keeps small
@@ -111,7 +115,7 @@ def device_meta(meta: list, params_new: mx.array, rope: tuple = (0.0, 0.0, 0.0))
     extra = mx.array(np.concatenate([np.array(const_values(params), dtype=np.int32),
                                      np.array(const_values(params_new), dtype=np.int32),
                                      np.repeat(scale_bits, 4), rope_bits]))
-    views = packed_views([block_tables, num_blocks, slots, tail_lens, extra])
+    views = packed_views([block_tables, num_blocks, slots, tail_lens, extra, *after])
     params_d, params_new_d, scales = views[4][:6], views[4][6:12], views[4][12:16].view(mx.float32)
     rope_d = views[4][16:20].view(mx.float32)
     return views[:4] + [params_d, scales], views[:4] + [params_new_d, scales], rope_d
@@ -129,14 +133,15 @@ class AttendPlan:
     tables, lengths: the same in every layer); calling it with a layer's q and pool
     only launches the split kernel and the merge (~45 us of Python per layer saved).
     `q_shape` is [B, H_q, D] or the model's [B, H_q, 1, D] (the same memory): the
-    output has that shape.
+    output has that shape. `after`: arrays its launches must follow (a decode step's
+    in-place flush, `cuda_flush.step_flush`: its writes are no input of theirs).
     """
 
     __slots__ = ("split", "split_kw", "merge_kw", "meta", "meta_new", "params", "rope", "prologue")
 
     def __init__(self, q_shape, q_dtype, pool: KiviPool, block_tables, num_blocks, slots,
                  tail_lens, *, scale: float, bits: int, group_size: int, rotate_out: bool = False,
-                 prologue: Prologue | None = None):
+                 prologue: Prologue | None = None, after: Sequence[mx.array] = ()):
         out_shape = tuple(q_shape)
         q_shape = (q_shape[0], q_shape[1], q_shape[-1])
         b, h_q, d = q_shape
@@ -152,7 +157,7 @@ class AttendPlan:
         # The same launch with params[5] = 1: the new token comes with the call.
         params_new = const(const_values(meta[4])[:5] + (1,), mx.int32)
         self.meta, self.meta_new, self.rope = device_meta(
-            meta, params_new, prologue.constants() if prologue is not None else (0.0, 0.0, 0.0))
+            meta, params_new, prologue.constants() if prologue is not None else (0.0, 0.0, 0.0), after)
         self.params = self.meta[4]
         template, merge_template = attend_templates(q_dtype, pool, bits=bits,
                                                     group_size=group_size, rep=rep)

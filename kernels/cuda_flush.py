@@ -6,10 +6,10 @@ for bit): float32 subtract, correctly rounded division (`__fsub_rn`, `__fdiv_rn`
 computed from the stored values. Both kernels share `kivi_flush_block` (kivi.cuh), so
 they quantize alike by construction.
 
-* `flush_layers` (the engine's flush, all layers): `kivi_flush_fused`
-  (flush_fused.cu), one in-place launch for up to MAX_FLUSH_LAYERS layers that reads
-  the tails through the flushing slots, writes the new blocks and shifts the tails;
-  no graph node besides.
+* `step_flush` (the engine's flush in a decode step, all layers) and `flush_layers`
+  (the same evaluated on its own): `kivi_flush_fused` (flush_fused.cu), one in-place
+  launch for up to MAX_FLUSH_LAYERS layers that reads the tails through the flushing
+  slots, writes the new blocks and shifts the tails; no graph node besides.
 * `kivi_flush` (one pool, `dispatch.flush`) and the Metal backend: the gather path,
   `kivi_flush_quantize` (flush_quantize.cu) over gathered tail rows, its small
   outputs scattered into the pool with mlx ops (`kivi_reference.write_flushed`).
@@ -78,11 +78,16 @@ def flush_launch(pool: KiviPool, rows_k, *, bits, group_size):
     return launch, template, const((rows_k.shape[2],), mx.int32)
 
 
+def flush_params(pool: KiviPool, blocks_per_slot: int = 1) -> tuple[int, int, int]:
+    """The fused flush's params (flush_fused.cu): tail rows, kv heads, blocks per slot."""
+    _, h_kv, rg, _ = pool.tail_k.shape
+    return rg, h_kv, blocks_per_slot
+
+
 def flush_meta(pool: KiviPool, slots: mx.array, ids: mx.array, blocks_per_slot: int = 1) -> tuple:
     """(slots, ids, params) of the fused flush for every layer of a flush, as views of
     one device array (`kernels.launch.packed_views`): read once per flush, not per layer."""
-    _, h_kv, rg, _ = pool.tail_k.shape
-    params = const((rg, h_kv, blocks_per_slot), mx.int32)
+    params = const(flush_params(pool, blocks_per_slot), mx.int32)
     return tuple(packed_views([slots, ids, params]))
 
 
@@ -144,24 +149,38 @@ def write_blocks(pool: KiviPool, keys: mx.array, values: mx.array, first: mx.arr
 
 
 def flush_layers(pools: list[KiviPool], slots: mx.array, ids: mx.array, *, bits: int, group_size: int,
-                 blocks_per_slot: int = 1, wait: bool = True) -> None:
+                 blocks_per_slot: int = 1) -> None:
     """The fused flush of every pool (checked arguments: `dispatch.flush_layers`).
 
     The launches write the pools behind MLX's graph, so they are evaluated on their
-    own: every earlier reader of the pools is already enqueued (the engine evaluates
-    or launches each step before the next one's flush), and no reader is built
-    before they are done. With ``wait`` they are finished (and the device has released
-    the pools) when this returns; else only started.
+    own: every earlier reader of the pools is already enqueued, and no reader is built
+    before they are done. They are finished (and the device has released the pools)
+    when this returns.
     """
     meta = flush_meta(pools[0], slots, ids, blocks_per_slot)  # one device copy for all layers
+    finish(_launch_layers(pools, meta, bits=bits, group_size=group_size))
+
+
+def step_flush(pools: list[KiviPool], slots: mx.array, ids: mx.array, params: mx.array, *, bits: int,
+               group_size: int) -> list[mx.array]:
+    """A decode step's flush of every pool as ops of the step's own graph: no
+    evaluation of its own (`flush_layers` costs one, ~0.3 ms of host time a step on the
+    GPU host), and inside a compiled step it is replayed with the rest.
+
+    ``slots`` int32 [B] (the flushing slots first, -1 for the others: one shape for
+    every step of a batch, whoever flushes), ``ids`` int32 [B * k] (k new blocks per
+    flushing slot), ``params`` int32 (`flush_params`): device arrays, such as views of
+    the step's metadata. Returns the launches' ``done`` arrays: every reader of the pools
+    in the same graph must depend on them (the attention plan's metadata is made after
+    them: ``AttendPlan(after=)``), and every earlier one be enqueued already."""
+    return _launch_layers(pools, (slots, ids, params), bits=bits, group_size=group_size)
+
+
+def _launch_layers(pools: list[KiviPool], meta: tuple, *, bits: int, group_size: int) -> list[mx.array]:
     launches = -(-len(pools) // MAX_FLUSH_LAYERS)
     per = -(-len(pools) // launches)  # launches of (nearly) one size: few compiled modules
-    done = [fused_flush(pools[i:i + per], meta, bits=bits, group_size=group_size)
+    return [fused_flush(pools[i:i + per], meta, bits=bits, group_size=group_size)
             for i in range(0, len(pools), per)]
-    if wait:
-        finish(done)
-    else:
-        mx.async_eval(done)
 
 
 def kernel_quantize(kernel):
@@ -197,5 +216,5 @@ def kivi_flush(pool: KiviPool, slots, new_block_ids, tail_lens, *, bits: int, gr
     return gather_flush(FLUSH_KERNEL, pool, slots, new_block_ids, tail_lens, bits=bits, group_size=group_size)
 
 
-__all__ = ["flush_layers", "fused_flush", "fused_flush_kernel", "gather_flush", "kernel_quantize", "kivi_flush",
-           "layer_prologue"]
+__all__ = ["flush_layers", "flush_params", "fused_flush", "fused_flush_kernel", "gather_flush", "kernel_quantize",
+           "kivi_flush", "layer_prologue", "step_flush"]

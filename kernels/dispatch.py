@@ -12,7 +12,7 @@ is correct on this machine is `kernels.self_check`'s question.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
@@ -67,7 +67,7 @@ def backend(use_kernel: bool | None = None) -> str:
 def attend_plan(q_shape: tuple[int, ...], q_dtype: mx.Dtype, pool: KiviPool, block_tables: mx.array,
                 num_blocks: mx.array, slots: mx.array, tail_lens: mx.array, *, scale: float, bits: int,
                 group_size: int = 32, use_kernel: bool | None = None,
-                rotate_out: bool = False) -> Callable[..., mx.array]:
+                rotate_out: bool = False, after: Sequence[mx.array] = ()) -> Callable[..., mx.array]:
     """`decode_attend` prepared once for many calls with the same metadata: the
     layers of one decode step. Returns `attend(q, pool)`; every pool it is called
     with must have `pool`'s shapes and dtypes (a model's layers do). Where
@@ -83,6 +83,9 @@ def attend_plan(q_shape: tuple[int, ...], q_dtype: mx.Dtype, pool: KiviPool, blo
     `rotate_out`: the pool's rows live in the Hadamard basis (``--kv-bits 2r``) and the
     output is rotated back (``kernels.rotation.hadamard_rotate``, the same bits
     everywhere): by the CUDA merge kernel in its launch, elsewhere by one more op.
+
+    `after`: arrays the launches must follow (a decode step's `step_flush`); only the
+    CUDA plan takes them.
     """
     flat = tuple(q_shape)
     if len(flat) == 4:
@@ -95,10 +98,13 @@ def attend_plan(q_shape: tuple[int, ...], q_dtype: mx.Dtype, pool: KiviPool, blo
         if reason is None:
             if flat[0] == 0:
                 return lambda q, _pool: mx.zeros(q.shape, dtype=q.dtype)
+            extra = {"after": after} if after else {}  # the CUDA plan's alone
             return mod.attend_plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens,
-                                   scale=scale, bits=bits, group_size=group_size, rotate_out=rotate_out)
+                                   scale=scale, bits=bits, group_size=group_size, rotate_out=rotate_out, **extra)
         if use_kernel:
             raise ValueError(f"use_kernel=True, but the kernel does not support {reason}")
+    if after:
+        raise ValueError("only the CUDA attention plan follows a step's in-graph flush (after=)")
 
     def attend(q, p):
         out = decode_attention(q.reshape(flat), p, block_tables, num_blocks, slots, tail_lens, scale=scale,
@@ -110,12 +116,13 @@ def attend_plan(q_shape: tuple[int, ...], q_dtype: mx.Dtype, pool: KiviPool, blo
 def prologue_plan(q_shape: tuple[int, ...], q_dtype: mx.Dtype, pool: KiviPool, block_tables: mx.array,
                   num_blocks: mx.array, slots: mx.array, tail_lens: mx.array, *, scale: float, bits: int,
                   group_size: int, prologue: Prologue, use_kernel: bool | None = None,
-                  rotate_out: bool = False):
+                  rotate_out: bool = False, after: Sequence[mx.array] = ()):
     """`attend_plan` with the decode step's attention prologue (``prologue``) run inside
     its kernels: a plan called as ``plan.with_prologue(qkv, pool, offsets, q_norm,
     k_norm)`` that also writes the new token into the tail. None where no kernel here
     runs it (another backend, or a shape it does not cover): then the caller runs
-    ``prologue.reference`` and `attend_plan`'s path, which give the same bits."""
+    ``prologue.reference`` and `attend_plan`'s path, which give the same bits.
+    `after` as in `attend_plan`."""
     mod = _chosen(use_kernel)
     check = getattr(mod, "prologue_supports", None)
     flat = (q_shape[0], q_shape[1], q_shape[-1])
@@ -123,7 +130,7 @@ def prologue_plan(q_shape: tuple[int, ...], q_dtype: mx.Dtype, pool: KiviPool, b
             or check(flat, q_dtype, pool, prologue) is not None:
         return None
     return mod.attend_plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, scale=scale,
-                           bits=bits, group_size=group_size, rotate_out=rotate_out, prologue=prologue)
+                           bits=bits, group_size=group_size, rotate_out=rotate_out, prologue=prologue, after=after)
 
 
 def decode_attend(q: mx.array, pool: KiviPool, block_tables: mx.array, num_blocks: mx.array, slots: mx.array,
@@ -188,7 +195,6 @@ def flush_layers(
     group_size: int = 32,
     use_kernel: bool | None = None,
     blocks_per_slot: int = 1,
-    wait: bool = True,
 ) -> None:
     """`flush` of the same slots into the same block ids of several pools (a
     model's layers), with one host sync for all of them instead of one per pool.
@@ -202,12 +208,9 @@ def flush_layers(
     (`kernels.cuda_flush.flush_layers`); elsewhere the gather path runs
     (`kivi_reference.gather_flush_layers`: gathers, the quantize kernel or ops,
     scatters left lazy). Either way the device has released the pools' buffers when
-    this returns, so the next step's tail writes happen in place. With ``wait=False``
-    the in-place kernels are only started (their own graph, ahead of anything built
-    later); for a caller whose next step scatters nothing into the pools (its
-    attention writes the tails: `writes_tail`) and who waits (`mx.synchronize`)
-    before any other scatter into them. The gather path always waits.
-    `use_kernel` as in `decode_attend`.
+    this returns, so the next step's tail writes happen in place (a decode step whose
+    attention kernel writes the tails flushes inside its own graph instead:
+    `step_flush`). `use_kernel` as in `decode_attend`.
     """
     if not pools:
         return
@@ -220,8 +223,24 @@ def flush_layers(
     if mod is None:
         gather_flush_layers(pools, slots, ids, bits=bits, group_size=group_size, blocks_per_slot=blocks_per_slot)
     else:
-        mod.flush_layers(pools, slots, ids, bits=bits, group_size=group_size, blocks_per_slot=blocks_per_slot,
-                         wait=wait)
+        mod.flush_layers(pools, slots, ids, bits=bits, group_size=group_size, blocks_per_slot=blocks_per_slot)
+
+
+def step_flush_params(pool: KiviPool, blocks_per_slot: int, use_kernel: bool | None = None) -> tuple[int, ...] | None:
+    """The int32 params `step_flush` takes for pools like ``pool``, or None where a
+    decode step cannot flush inside its own graph (no in-place flush kernel here)."""
+    return kivi_cuda.flush_params(pool, blocks_per_slot) if blocks_written_in_place(pool, use_kernel) else None
+
+
+def step_flush(pools: list[KiviPool], slots: mx.array, new_block_ids: mx.array, params: mx.array, *, bits: int,
+               group_size: int = 32, use_kernel: bool | None = None) -> list[mx.array]:
+    """`flush_layers` as ops of a decode step's graph (CUDA: `kernels.cuda_flush.step_flush`):
+    ``slots`` int32 [B], the flushing slots first and -1 for the rest; ``new_block_ids``
+    int32 [B * blocks_per_slot]; ``params`` `step_flush_params` as a device array.
+    Returns arrays the step's attention must follow (`attend_plan(after=)`)."""
+    if not blocks_written_in_place(pools[0], use_kernel):
+        raise ValueError("a decode step flushes inside its graph only with the CUDA flush kernel")
+    return kivi_cuda.step_flush(pools, slots, new_block_ids, params, bits=bits, group_size=group_size)
 
 
 def blocks_written_in_place(pool: KiviPool, use_kernel: bool | None = None) -> bool:
@@ -250,4 +269,4 @@ def write_blocks(pool: KiviPool, keys: mx.array, values: mx.array, first: mx.arr
 
 
 __all__ = ["attend_plan", "backend", "blocks_written_in_place", "decode_attend", "flush", "flush_layers",
-           "kernel_available", "kernel_module", "write_blocks", "writes_tail"]
+           "kernel_available", "kernel_module", "step_flush", "step_flush_params", "write_blocks", "writes_tail"]

@@ -126,10 +126,9 @@ def attend_plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_le
     return attend
 
 
-def flush_layers(pools: list[KiviPool], slots, ids, *, bits: int, group_size: int, blocks_per_slot: int = 1,
-                 wait: bool = True) -> None:
+def flush_layers(pools: list[KiviPool], slots, ids, *, bits: int, group_size: int, blocks_per_slot: int = 1) -> None:
     """The gather flush of every pool with the quantize kernel (checked arguments:
-    `dispatch.flush_layers`); always waits."""
+    `dispatch.flush_layers`)."""
     gather_flush_layers(pools, slots, ids, bits=bits, group_size=group_size, blocks_per_slot=blocks_per_slot,
                         quantize=kernel_quantize(FLUSH_KERNEL))
 

@@ -170,3 +170,48 @@ def test_forward_blocks_kernel_is_in_place():
     assert [id(a) for a in pool] == objects
     # One copy of a code array would add 64 MiB; the keys are 1 MiB.
     assert mx.get_peak_memory() - base < 8 * 2**20
+
+
+@pytest.mark.parametrize("layers", [3, MAX_FLUSH_LAYERS + 2])
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_step_flush_in_the_graph_runs_before_the_attention(layers):
+    """A decode step's flush as ops of its own graph (`dispatch.step_flush`: padded slots,
+    never evaluated on its own) and an attention plan made `after` it: the pools and every
+    layer's output bit-equal to the flush evaluated first (`flush_layers`), then the same
+    plan. An attention that ran before the flush would read blocks not yet written."""
+    if backend() is not kivi_cuda:
+        pytest.skip("the in-graph step flush is CUDA only")
+    rng = np.random.default_rng(layers)
+    g, bits, dtype, d = 32, 4, mx.bfloat16, 128
+    sets = [[allocate_pool(16, 5, 2, d, bits=bits, group_size=g, residual=R, dtype=dtype) for _ in range(layers)]
+            for _ in range(2)]
+    for layer in range(layers):
+        x = {n: _tails(rng, sets[0][0].tail_k.shape, "normal") for n in ("tail_k", "tail_v")}
+        for pools in sets:
+            for n, a in x.items():
+                getattr(pools[layer], n)[...] = mx.array(a.astype(np.float32)).astype(dtype)
+            mx.eval(*pools[layer])
+    # Three sequences in slots 3, 0, 4: the first two flush one block each (ids 9, 2).
+    slots, flushing, ids = [3, 0, 4], [3, 0], [9, 2]
+    meta = (mx.array([[9], [2], [0]], dtype=mx.int32), mx.array([1, 1, 0], dtype=mx.int32),
+            mx.array(slots, dtype=mx.int32), mx.array([R, R, 41], dtype=mx.int32))
+    q = mx.array(rng.normal(size=(3, 8, d)).astype(np.float32)).astype(dtype)
+    kw = dict(scale=d ** -0.5, bits=bits, group_size=g, use_kernel=True)
+
+    dispatch.flush_layers(sets[1], flushing, ids, [R + g - 1] * 2, bits=bits, group_size=g, use_kernel=True)
+    plan = dispatch.attend_plan(q.shape, q.dtype, sets[1][0], *meta, **kw)
+    expected = [plan(q, pool) for pool in sets[1]]
+    mx.eval(expected)
+
+    padded = mx.array([*flushing, -1] + [*ids, -1] + list(dispatch.step_flush_params(sets[0][0], 1)),
+                      dtype=mx.int32)
+    done = dispatch.step_flush(sets[0], padded[:3], padded[3:6], padded[6:], bits=bits, group_size=g)
+    plan = dispatch.attend_plan(q.shape, q.dtype, sets[0][0], *meta, **kw, after=done)
+    got = [plan(q, pool) for pool in sets[0]]
+    mx.eval(got)  # the flush runs only as what the launches depend on
+
+    for layer in range(layers):
+        assert np.array_equal(to_np(got[layer]), to_np(expected[layer])), f"layer {layer}: output differs"
+        for name, a, b in zip(KiviPool._fields, sets[0][layer], sets[1][layer]):
+            assert np.array_equal(to_np(a), to_np(b)), f"layer {layer}: {name} differs"

@@ -36,7 +36,7 @@ def fake_backend(*, attend_fault=None, attend_raises=None, flush_fault=False):
             return hadamard_rotate(out.reshape(q.shape)) if rotate_out else out.reshape(q.shape)
         return attend
 
-    def flush_layers(pools, slots, ids, *, bits, group_size, blocks_per_slot=1, wait=True):
+    def flush_layers(pools, slots, ids, *, bits, group_size, blocks_per_slot=1):
         gather_flush_layers(pools, slots, ids, bits=bits, group_size=group_size, blocks_per_slot=blocks_per_slot)
         if flush_fault:
             for pool in pools:

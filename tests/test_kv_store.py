@@ -259,61 +259,80 @@ def test_token_write_does_not_copy_the_pool():
     assert large_t < 8 * small_t + 1e-3, (small_t, large_t)
 
 
-def test_flush_waits_unless_the_attention_writes_the_tails_and_scatters_settle_first(monkeypatch):
-    """The flush of a step may be left running on the device only after a step whose
-    attention wrote the tails itself (the CUDA kernel: no scatter follows); the next
-    scatter into the pools (a token write by scatter, a prefill) then waits for it
-    first, once. On CPU the reference path scatters, so the flush always waits."""
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_step_flushes_in_its_graph_once_the_kernel_writes_the_tails(monkeypatch, k):
+    """Where the last step's attention kernel wrote the tails and an in-place flush kernel
+    exists (CUDA), begin_decode runs no flush: the step carries it (DecodeBatch.flush:
+    the flushing slots, then -1 to the batch's size; their new blocks; the kernel's
+    params) and its first attention plan makes it (dispatch.step_flush, once a step) and
+    follows it (after=). The bookkeeping and the step's metadata are those of the flush
+    run before the step, which the reference path (and any first step) still does."""
     import kiviq.engine.kv_store as kv_store_module
 
     g, r = 16, 32
-    store = make_store(4, g, r, slots=3, layers=2)
-    seqs = [store.blocks.allocate() for _ in range(2)]
-    for layer in range(2):
-        for s in seqs:
-            store.append(layer, s, mx.zeros((H_KV, r + g - 1, D)), mx.zeros((H_KV, r + g - 1, D)))
-    waits, syncs, in_flush = [], [], [False]
-    real_flush, real_sync = kv_store_module.flush_layers, mx.synchronize
+    flushes, made, afters = [], [], []
+    real_flush = kv_store_module.flush_layers
 
-    def flush(*a, wait=True, **kw):
-        waits.append(wait)
-        in_flush[0] = True
-        try:
-            real_flush(*a, wait=wait, **kw)
-        finally:
-            in_flush[0] = False
+    def flush(pools, slots, ids, *a, **kw):
+        flushes.append((list(slots), list(ids)))
+        real_flush(pools, slots, ids, *a, **kw)
 
-    def sync(*a):  # count the store's own waits, not the flush's
-        if not in_flush[0]:
-            syncs.append(1)
-        real_sync(*a)
+    def step_flush(pools, slots, ids, params, **kw):
+        made.append((np.array(slots).tolist(), np.array(ids).tolist(), np.array(params).tolist(), len(pools)))
+        return [mx.zeros((1,), dtype=mx.int32)]
 
+    def attend_plan(*a, after=(), **kw):
+        afters.append(len(after))
+        return kv_store_module.attend_plan.__wrapped__(*a, **kw)
+
+    attend_plan.__wrapped__ = kv_store_module.attend_plan
     monkeypatch.setattr(kv_store_module, "flush_layers", flush)
-    monkeypatch.setattr(mx, "synchronize", sync)
+    monkeypatch.setattr(kv_store_module, "step_flush", step_flush)
+    monkeypatch.setattr(kv_store_module, "attend_plan", attend_plan)
 
-    def step(kernel_wrote_last_step: bool):
-        store._kernel_writes_tails = kernel_wrote_last_step
-        batch = store.begin_decode(seqs)  # both tails are full: a flush
-        new = mx.zeros((2, H_KV, 1, D))
+    def prepared(in_graph: bool):
+        store = make_store(4, g, r, slots=4, layers=2, k=k)
+        store.blocks.allocate()  # slot 0 unused: the flushing slots are not 0, 1
+        seqs = [store.blocks.allocate() for _ in range(3)]
         for layer in range(2):
-            store.write_and_attend(layer, batch, mx.zeros((2, 4, 1, D)), new, new, 0.1)
-            writes.append(len(syncs))  # the store's waits before this layer's token scatter
-        mx.eval(store.pools)
-        for s in seqs:  # refill the tails to the brink for the next step
-            for layer in range(2):
-                store.append(layer, s, mx.zeros((H_KV, g - 1, D)), mx.zeros((H_KV, g - 1, D)))
+            for s, n in zip(seqs, (r + k * g - 1, 20, r + k * g - 1)):  # the 1st and 3rd flush
+                store.append(layer, s, mx.ones((H_KV, n, D)), mx.ones((H_KV, n, D)))
+        if in_graph:
+            store._kernel_writes_tails, store._step_flush_params = True, (r + k * g, H_KV, k)
+        return store, seqs, store.begin_decode(seqs)
 
-    writes = []
-    step(kernel_wrote_last_step=False)
-    assert waits == [True] and syncs == [] and writes == [0, 0]
-    # After a kernel-written step the flush runs on; this step scatters (CPU), so its
-    # first token write waits, once; the prefill after it finds nothing to wait for.
-    step(kernel_wrote_last_step=True)
-    assert waits == [True, False] and writes == [0, 0, 1, 1] and syncs == [1]
-    assert store._unsettled is False
-    store._unsettled = True  # a flush left running before a prefill: the prefill waits
-    store.append(0, store.blocks.allocate(), mx.zeros((H_KV, 3, D)), mx.zeros((H_KV, 3, D)))
-    assert syncs == [1, 1] and store._unsettled is False
+    eager, eager_seqs, before = prepared(in_graph=False)
+    assert before.flush is None and len(flushes) == 1
+    store, seqs, batch = prepared(in_graph=True)
+    assert len(flushes) == 1  # none this time
+    slots, ids = flushes[0]
+    assert slots == [seqs[0].slot, seqs[2].slot] and len(ids) == 2 * k
+    fs, fi, fp = (np.array(a).tolist() for a in batch.flush)
+    assert fs == slots + [-1] and fi == ids + [-1] * k and fp == [r + k * g, H_KV, k]
+    for name in ("slots", "block_tables", "num_blocks", "tail_lens", "offsets"):
+        assert np.array_equal(np.array(getattr(batch, name)), np.array(getattr(before, name))), name
+    assert [(s.tail_lens, s.blocks_used) for s in seqs] == [(s.tail_lens, s.blocks_used) for s in eager_seqs]
+
+    new = mx.zeros((3, H_KV, 1, D))
+    for layer in range(2):
+        store.write_and_attend(layer, batch, mx.zeros((3, 4, 1, D)), new, new, 0.1)
+    assert made == [(fs, fi, fp, 2)] and afters == [1]  # made once, with the step's first plan
+
+
+def test_only_the_cuda_kernels_flush_inside_a_step_or_follow_that_flush():
+    """Off CUDA a step's flush runs before the step: the in-graph flush is refused, and
+    so is an attention plan asked to follow one (it could not order its reads)."""
+    from kiviq.kernels import dispatch
+
+    store = make_store(4, 16, 32, slots=2, layers=1)
+    pool = store.pools[0]
+    assert dispatch.step_flush_params(pool, 1) is None and store._step_flush_params is None
+    ints = mx.zeros((2,), dtype=mx.int32)
+    with pytest.raises(ValueError, match="CUDA"):
+        dispatch.step_flush([pool], ints, ints, ints, bits=4, group_size=16)
+    with pytest.raises(ValueError, match="after="):
+        dispatch.attend_plan((2, 4, D), mx.float32, pool, ints[:, None], ints, ints, ints + 1, scale=0.1, bits=4,
+                             group_size=16, after=[ints])
 
 
 def test_block_manager_is_pure_python_and_owns_blocks_slots_and_tables():

@@ -4,7 +4,9 @@
 // ...; kernels.cuda_flush.fused_flush_kernel generates the prologue that points k_codes,
 // ..., tail_v at layer blockIdx.y's), slots int32 [F] (the flushing slots), ids int32
 // [F * k] (their new blocks, k per slot, slot by slot; the same in every layer), params
-// int32 [T, H_kv, k] (T = R + k*G, the tail rows). One thread block per (slot f, kv head
+// int32 [T, H_kv, k] (T = R + k*G, the tail rows). A slot of -1 is padding: its thread
+// blocks do nothing (a decode step's flush has one fixed shape, B entries, whoever
+// flushes: kernels.cuda_flush.step_flush). One thread block per (slot f, kv head
 // h, layer), one thread per channel d: block blk of the slot is its tail rows blk*G ..
 // blk*G + G - 1, written at block ids[f * k + blk]; then, after a barrier (the value
 // groups read other threads' channels), the tails move down by k*G rows
@@ -13,16 +15,19 @@
 // The pools are written through their input pointers: MLX hands a kernel its inputs as
 // const pointers to the arrays' own buffers (no copy: the pool arrays are whole and
 // row-contiguous, and ensure_row_contiguous is off so MLX never substitutes a copy).
-// The writes are invisible to MLX's graph, so the caller (kernels.cuda_flush.flush_layers)
-// owns the ordering: every computation that reads the pools must already be evaluated or
-// enqueued (same stream, earlier graph) and nothing reads them in the flush's own
-// evaluation. All layers in one launch: a launch per layer would cost MLX's host time
-// for a custom kernel (~12 us) per layer and run 36 small grids one after another.
+// The writes are invisible to MLX's graph, so the caller owns the ordering: every
+// computation that reads the pools before the flush must already be evaluated or enqueued
+// (same stream, earlier graph), and one that reads them after it in the same graph must
+// depend on `done` (kernels.cuda_flush: flush_layers, step_flush). All layers in one
+// launch: a launch per layer would cost MLX's host time for a custom kernel (~12 us) per
+// layer and run 36 small grids one after another.
   const int RG = params[0];
   const int H_kv = params[1];
   const int K = params[2];
   const int f = blockIdx.x / H_kv, h = blockIdx.x % H_kv;
   const int d = threadIdx.x;
+  if (blockIdx.x == 0 && blockIdx.y == 0 && d == 0) done[0] = 0;
+  if (slots[f] < 0) return;  // padding (the whole block: before any barrier)
   const size_t slot_rows = ((size_t)slots[f] * H_kv + h) * RG * D;
   SD* tk = const_cast<SD*>(tail_k) + slot_rows;
   SD* tv = const_cast<SD*>(tail_v) + slot_rows;
@@ -36,4 +41,3 @@
   __syncthreads();
   // 16 rows per chunk: <= k*G for every G >= 16 (see kivi_shift_tails).
   kivi_shift_tails<SD, D, 16>(tk, tv, RG, K * G, d);
-  if (blockIdx.x == 0 && blockIdx.y == 0 && d == 0) done[0] = 0;
