@@ -63,7 +63,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mlx.core as mx  # noqa: E402
 
-import kiviq.engine.kv_store as kv_store_module  # noqa: E402
 from benchmarks.common import (API_EVENTS, DEVICE_EVENTS, command, device_trace, host_probe, machine,  # noqa: E402
                                prefilled_engine, table)
 from benchmarks.trace_summary import print_host_profile, print_trace  # noqa: E402
@@ -201,17 +200,22 @@ def engine_steps(args, model, prompts, flushes: list[int], history: list[list[in
     engine.pipeline = pipeline
     engine.kv_store.table_width_multiple = table_width_multiple
     history += [list(engine._seqs[str(i)].generated) for i in range(len(prompts))]
-    # Count this engine's flushes while its own step runs (arms built later wrap
-    # this wrapper; each counts only during its own steps).
+    # Count this engine's flushing tails while its own steps are timed: the tails at the
+    # brim when a step begins (on CUDA the flush is part of the step's graph, so it is
+    # counted from the sequences, not from a flush call).
     state = {"timing": False}
-    real = kv_store_module.flush_layers
+    store = engine.kv_store
+    brim = store.config.residual + store.config.flush_blocks * store.config.group_size - 1
+    real = store.begin_decode
 
-    def counted_flush(pools, slots, *a, **k):
+    def counted_begin(seqs, *a, **k):
         if state["timing"]:
-            flushes.append(len(slots))
-        return real(pools, slots, *a, **k)
+            n = sum(s.tail_lens[0] == brim for s in seqs)
+            if n:
+                flushes.append(n)
+        return real(seqs, *a, **k)
 
-    kv_store_module.flush_layers = counted_flush
+    store.begin_decode = counted_begin
 
     def step():
         events = engine.step()
