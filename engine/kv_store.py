@@ -337,7 +337,7 @@ class KiviStore:
             flush = np.full(b + b * kb, -1, dtype=np.int32)
             flush[:len(full)] = [seqs[i].slot for i in full]
             flush[b:b + len(ids)] = ids
-            parts += [flush, np.array(self._step_flush_params, dtype=np.int32)]
+            parts += [flush, np.array([*self._step_flush_params, b], dtype=np.int32)]
         packed = mx.array(np.concatenate(parts))
         slots, write_pos, num_blocks, tail_lens, offsets_d = (packed[i * b:(i + 1) * b] for i in range(5))
         at = 5 * b + tables.size

@@ -80,8 +80,14 @@ def flush_launch(pool: KiviPool, rows_k, *, bits, group_size):
     return launch, template, const((rows_k.shape[2],), mx.int32)
 
 
-def flush_params(pool: KiviPool, blocks_per_slot: int = 1) -> tuple[int, int, int]:
-    """The fused flush's params (flush_fused.cu): tail rows, kv heads, blocks per slot."""
+# Thread blocks per kv head and layer of a decode step's flush (step_flush): each takes
+# every 4th of the batch's slots up to the first that does not flush (flush_fused.cu).
+STEP_FLUSH_SLOTS = 4
+
+
+def flush_params(pool: KiviPool, blocks_per_slot: int) -> tuple[int, int, int]:
+    """The fused flush's params (flush_fused.cu) but the last: tail rows, kv heads, blocks
+    per slot; the entries of its slots array (flushing slots, then -1 padding) follow."""
     _, h_kv, rg, _ = pool.tail_k.shape
     return rg, h_kv, blocks_per_slot
 
@@ -89,7 +95,7 @@ def flush_params(pool: KiviPool, blocks_per_slot: int = 1) -> tuple[int, int, in
 def flush_meta(pool: KiviPool, slots: mx.array, ids: mx.array, blocks_per_slot: int = 1) -> tuple:
     """(slots, ids, params) of the fused flush for every layer of a flush, as views of
     one device array (`kernels.launch.packed_views`): read once per flush, not per layer."""
-    params = const(flush_params(pool, blocks_per_slot), mx.int32)
+    params = const((*flush_params(pool, blocks_per_slot), slots.shape[0]), mx.int32)
     return tuple(packed_views([slots, ids, params]))
 
 
@@ -117,17 +123,18 @@ def fused_flush_kernel(layers: int):
                        ensure_row_contiguous=False, prologue=layer_prologue(layers))
 
 
-def fused_flush(pools: list[KiviPool], meta: tuple, *, bits, group_size) -> mx.array:
+def fused_flush(pools: list[KiviPool], meta: tuple, *, bits, group_size, blocks: int | None = None) -> mx.array:
     """The in-place fused flush of `pools` (of one shape and dtype) in one launch
     (flush_fused.cu says which ordering the caller owns). `meta`: `flush_meta`'s
-    result, made once for all layers. Returns the launch's `done` array; evaluating
-    it writes the pools."""
-    slots = meta[0]
+    result, made once for all layers; `blocks` thread blocks per kv head and layer
+    (default: one per entry of the slots). Returns the launch's `done` array;
+    evaluating it writes the pools."""
     _, h_kv, _, d = pools[0].tail_k.shape
+    blocks = meta[0].shape[0] if blocks is None else blocks
     return fused_flush_kernel(len(pools))(
         inputs=[*(a for pool in pools for a in pool), *meta],
         template=flush_template(pools[0], bits=bits, group_size=group_size),
-        grid=(slots.shape[0] * h_kv * d, len(pools), 1), threadgroup=(d, 1, 1),
+        grid=(blocks * h_kv * d, len(pools), 1), threadgroup=(d, 1, 1),
         output_shapes=[(1,)], output_dtypes=[mx.int32])[0]
 
 
@@ -171,17 +178,20 @@ def step_flush(pools: list[KiviPool], slots: mx.array, ids: mx.array, params: mx
 
     ``slots`` int32 [B] (the flushing slots first, -1 for the others: one shape for
     every step of a batch, whoever flushes), ``ids`` int32 [B * k] (k new blocks per
-    flushing slot), ``params`` int32 (`flush_params`): device arrays, such as views of
-    the step's metadata. Returns the launches' ``done`` arrays: every reader of the pools
-    in the same graph must depend on them (the attention plan's metadata is made after
-    them: ``AttendPlan(after=)``), and every earlier one be enqueued already."""
-    return _launch_layers(pools, (slots, ids, params), bits=bits, group_size=group_size)
+    flushing slot), ``params`` int32 (`flush_params`, then B): device arrays,
+    such as views of the step's metadata. Returns the launches' ``done`` arrays: every
+    reader of the pools in the same graph must depend on them (the attention plan's
+    metadata is made after them: ``AttendPlan(after=)``), and every earlier one be
+    enqueued already."""
+    return _launch_layers(pools, (slots, ids, params), bits=bits, group_size=group_size,
+                          blocks=min(slots.shape[0], STEP_FLUSH_SLOTS))
 
 
-def _launch_layers(pools: list[KiviPool], meta: tuple, *, bits: int, group_size: int) -> list[mx.array]:
+def _launch_layers(pools: list[KiviPool], meta: tuple, *, bits: int, group_size: int,
+                   blocks: int | None = None) -> list[mx.array]:
     launches = -(-len(pools) // MAX_FLUSH_LAYERS)
     per = -(-len(pools) // launches)  # launches of (nearly) one size: few compiled modules
-    return [fused_flush(pools[i:i + per], meta, bits=bits, group_size=group_size)
+    return [fused_flush(pools[i:i + per], meta, bits=bits, group_size=group_size, blocks=blocks)
             for i in range(0, len(pools), per)]
 
 

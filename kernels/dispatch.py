@@ -236,7 +236,7 @@ def step_flush(pools: list[KiviPool], slots: mx.array, new_block_ids: mx.array, 
                group_size: int = 32, use_kernel: bool | None = None) -> list[mx.array]:
     """`flush_layers` as ops of a decode step's graph (CUDA: `kernels.cuda_flush.step_flush`):
     ``slots`` int32 [B], the flushing slots first and -1 for the rest; ``new_block_ids``
-    int32 [B * blocks_per_slot]; ``params`` `step_flush_params` as a device array.
+    int32 [B * blocks_per_slot]; ``params`` `step_flush_params` then B, a device array.
     Returns arrays the step's attention must follow (`attend_plan(after=)`)."""
     if not blocks_written_in_place(pools[0], use_kernel):
         raise ValueError("a decode step flushes inside its graph only with the CUDA flush kernel")

@@ -179,12 +179,14 @@ def test_step_flush_in_the_graph_runs_before_the_attention(layers):
     """A decode step's flush as ops of its own graph (`dispatch.step_flush`: padded slots,
     never evaluated on its own) and an attention plan made `after` it: the pools and every
     layer's output bit-equal to the flush evaluated first (`flush_layers`), then the same
-    plan. An attention that ran before the flush would read blocks not yet written."""
+    plan. An attention that ran before the flush would read blocks not yet written. Six
+    of seven sequences flush: more than the launch's blocks per head (STEP_FLUSH_SLOTS),
+    so blocks take several slots each."""
     if backend() is not kivi_cuda:
         pytest.skip("the in-graph step flush is CUDA only")
     rng = np.random.default_rng(layers)
     g, bits, dtype, d = 32, 4, mx.bfloat16, 128
-    sets = [[allocate_pool(16, 5, 2, d, bits=bits, group_size=g, residual=R, dtype=dtype) for _ in range(layers)]
+    sets = [[allocate_pool(16, 8, 2, d, bits=bits, group_size=g, residual=R, dtype=dtype) for _ in range(layers)]
             for _ in range(2)]
     for layer in range(layers):
         x = {n: _tails(rng, sets[0][0].tail_k.shape, "normal") for n in ("tail_k", "tail_v")}
@@ -192,21 +194,20 @@ def test_step_flush_in_the_graph_runs_before_the_attention(layers):
             for n, a in x.items():
                 getattr(pools[layer], n)[...] = mx.array(a.astype(np.float32)).astype(dtype)
             mx.eval(*pools[layer])
-    # Three sequences in slots 3, 0, 4: the first two flush one block each (ids 9, 2).
-    slots, flushing, ids = [3, 0, 4], [3, 0], [9, 2]
-    meta = (mx.array([[9], [2], [0]], dtype=mx.int32), mx.array([1, 1, 0], dtype=mx.int32),
-            mx.array(slots, dtype=mx.int32), mx.array([R, R, 41], dtype=mx.int32))
-    q = mx.array(rng.normal(size=(3, 8, d)).astype(np.float32)).astype(dtype)
+    # Seven sequences; those in slots 3, 0, 6, 7, 1, 5 flush one block each, 4 does not.
+    slots, flushing, ids = [3, 0, 6, 7, 1, 5, 4], [3, 0, 6, 7, 1, 5], [9, 2, 14, 5, 11, 0]
+    meta = (mx.array([[i] for i in ids] + [[0]], dtype=mx.int32), mx.array([1] * 6 + [0], dtype=mx.int32),
+            mx.array(slots, dtype=mx.int32), mx.array([R] * 6 + [41], dtype=mx.int32))
+    q = mx.array(rng.normal(size=(7, 8, d)).astype(np.float32)).astype(dtype)
     kw = dict(scale=d ** -0.5, bits=bits, group_size=g, use_kernel=True)
 
-    dispatch.flush_layers(sets[1], flushing, ids, [R + g - 1] * 2, bits=bits, group_size=g, use_kernel=True)
+    dispatch.flush_layers(sets[1], flushing, ids, [R + g - 1] * 6, bits=bits, group_size=g, use_kernel=True)
     plan = dispatch.attend_plan(q.shape, q.dtype, sets[1][0], *meta, **kw)
     expected = [plan(q, pool) for pool in sets[1]]
     mx.eval(expected)
 
-    padded = mx.array([*flushing, -1] + [*ids, -1] + list(dispatch.step_flush_params(sets[0][0], 1)),
-                      dtype=mx.int32)
-    done = dispatch.step_flush(sets[0], padded[:3], padded[3:6], padded[6:], bits=bits, group_size=g)
+    padded = mx.array([*flushing, -1] + [*ids, -1] + [*dispatch.step_flush_params(sets[0][0], 1), 7], dtype=mx.int32)
+    done = dispatch.step_flush(sets[0], padded[:7], padded[7:14], padded[14:], bits=bits, group_size=g)
     plan = dispatch.attend_plan(q.shape, q.dtype, sets[0][0], *meta, **kw, after=done)
     got = [plan(q, pool) for pool in sets[0]]
     mx.eval(got)  # the flush runs only as what the launches depend on

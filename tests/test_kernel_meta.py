@@ -56,4 +56,4 @@ def test_flush_meta_is_the_same_values():
     slots, ids = mx.array([3, 1], dtype=mx.int32), mx.array([6, 7, 2, 5], dtype=mx.int32)
     got = cuda_flush.flush_meta(pool, slots, ids, 2)
     assert _same(got[0], slots) and _same(got[1], ids)
-    assert _same(got[2], const((160, 2, 2), mx.int32))
+    assert _same(got[2], const((160, 2, 2, 2), mx.int32))  # tail rows, heads, blocks per slot, slots

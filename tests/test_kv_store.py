@@ -308,7 +308,7 @@ def test_a_step_flushes_in_its_graph_once_the_kernel_writes_the_tails(monkeypatc
     slots, ids = flushes[0]
     assert slots == [seqs[0].slot, seqs[2].slot] and len(ids) == 2 * k
     fs, fi, fp = (np.array(a).tolist() for a in batch.flush)
-    assert fs == slots + [-1] and fi == ids + [-1] * k and fp == [r + k * g, H_KV, k]
+    assert fs == slots + [-1] and fi == ids + [-1] * k and fp == [r + k * g, H_KV, k, 3]
     for name in ("slots", "block_tables", "num_blocks", "tail_lens", "offsets"):
         assert np.array_equal(np.array(getattr(batch, name)), np.array(getattr(before, name))), name
     assert [(s.tail_lens, s.blocks_used) for s in seqs] == [(s.tail_lens, s.blocks_used) for s in eager_seqs]

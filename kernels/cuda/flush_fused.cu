@@ -2,12 +2,14 @@
 // layer of a step's flush in one launch.
 // Inputs: the eight pool arrays of each of L layers (k_codes_0 .. tail_v_0, k_codes_1,
 // ...; kernels.cuda_flush.fused_flush_kernel generates the prologue that points k_codes,
-// ..., tail_v at layer blockIdx.y's), slots int32 [F] (the flushing slots), ids int32
+// ..., tail_v at layer blockIdx.y's), slots int32 [F] (the flushing slots, then -1 for
+// padding: a decode step's flush has one shape, B entries, whoever flushes), ids int32
 // [F * k] (their new blocks, k per slot, slot by slot; the same in every layer), params
-// int32 [T, H_kv, k] (T = R + k*G, the tail rows). A slot of -1 is padding: its thread
-// blocks do nothing (a decode step's flush has one fixed shape, B entries, whoever
-// flushes: kernels.cuda_flush.step_flush). One thread block per (slot f, kv head
-// h, layer), one thread per channel d: block blk of the slot is its tail rows blk*G ..
+// int32 [T, H_kv, k, F] (T = R + k*G, the tail rows). Thread blocks (s, kv head h, layer),
+// one thread per channel d; block s takes slots s, s + S, ... (S = gridDim.x / H_kv) up
+// to the first -1: a step's flush launches S = min(B, 4) blocks per head, not B (idle
+// blocks cost the launch ~8 ns each: ~70 us a step at B = 32 and 36 layers, H100), and
+// a flush run on its own S = F. For each slot: block blk of it is its tail rows blk*G ..
 // blk*G + G - 1, written at block ids[f * k + blk]; then, after a barrier (the value
 // groups read other threads' channels), the tails move down by k*G rows
 // (kivi_shift_tails). Output: `done`, one int32 nobody reads; evaluating it runs the
@@ -24,20 +26,23 @@
   const int RG = params[0];
   const int H_kv = params[1];
   const int K = params[2];
-  const int f = blockIdx.x / H_kv, h = blockIdx.x % H_kv;
+  const int F = params[3];
+  const int h = blockIdx.x % H_kv;
   const int d = threadIdx.x;
   if (blockIdx.x == 0 && blockIdx.y == 0 && d == 0) done[0] = 0;
-  if (slots[f] < 0) return;  // padding (the whole block: before any barrier)
-  const size_t slot_rows = ((size_t)slots[f] * H_kv + h) * RG * D;
-  SD* tk = const_cast<SD*>(tail_k) + slot_rows;
-  SD* tv = const_cast<SD*>(tail_v) + slot_rows;
-  for (int blk = 0; blk < K; ++blk) {
-    kivi_flush_block<SD, D, G, BITS>(tk + (size_t)blk * G * D, tv + (size_t)blk * G * D,
-                                     ids[f * K + blk] * H_kv + h, d,
-                                     const_cast<uint8_t*>(k_codes), const_cast<SD*>(k_scales),
-                                     const_cast<SD*>(k_zeros), const_cast<uint8_t*>(v_codes),
-                                     const_cast<SD*>(v_scales), const_cast<SD*>(v_zeros));
+  // f and slots[f] are the same in every thread: the barrier below is reached by all.
+  for (int f = blockIdx.x / H_kv; f < F && slots[f] >= 0; f += gridDim.x / H_kv) {
+    const size_t slot_rows = ((size_t)slots[f] * H_kv + h) * RG * D;
+    SD* tk = const_cast<SD*>(tail_k) + slot_rows;
+    SD* tv = const_cast<SD*>(tail_v) + slot_rows;
+    for (int blk = 0; blk < K; ++blk) {
+      kivi_flush_block<SD, D, G, BITS>(tk + (size_t)blk * G * D, tv + (size_t)blk * G * D,
+                                       ids[f * K + blk] * H_kv + h, d,
+                                       const_cast<uint8_t*>(k_codes), const_cast<SD*>(k_scales),
+                                       const_cast<SD*>(k_zeros), const_cast<uint8_t*>(v_codes),
+                                       const_cast<SD*>(v_scales), const_cast<SD*>(v_zeros));
+    }
+    __syncthreads();
+    // 16 rows per chunk: <= k*G for every G >= 16 (see kivi_shift_tails).
+    kivi_shift_tails<SD, D, 16>(tk, tv, RG, K * G, d);
   }
-  __syncthreads();
-  // 16 rows per chunk: <= k*G for every G >= 16 (see kivi_shift_tails).
-  kivi_shift_tails<SD, D, 16>(tk, tv, RG, K * G, d);
