@@ -7,9 +7,9 @@
 // [F * k] (their new blocks, k per slot, slot by slot; the same in every layer), params
 // int32 [T, H_kv, k, F] (T = R + k*G, the tail rows). Thread blocks (s, kv head h, layer),
 // one thread per channel d; block s takes slots s, s + S, ... (S = gridDim.x / H_kv) up
-// to the first -1: a step's flush launches S = min(B, 4) blocks per head, not B (idle
-// blocks cost the launch ~8 ns each: ~70 us a step at B = 32 and 36 layers, H100), and
-// a flush run on its own S = F. For each slot: block blk of it is its tail rows blk*G ..
+// to the first -1: a step's flush launches S = min(B, 4) blocks per head, not B (a
+// block per padded slot made the launch 103-115 us a step against 77, B = 32, 36 layers,
+// H100: idle blocks cost it), and a flush run on its own S = F. For each slot: block blk of it is its tail rows blk*G ..
 // blk*G + G - 1, written at block ids[f * k + blk]; then, after a barrier (the value
 // groups read other threads' channels), the tails move down by k*G rows
 // (kivi_shift_tails). Output: `done`, one int32 nobody reads; evaluating it runs the
