@@ -310,9 +310,7 @@ class KiviStore:
         # Every step of a batch flushes in its graph once the kernel writes the tails
         # (the flush's shape is the batch's, whoever flushes: one compiled trace).
         in_graph = layer is None and self._kernel_writes_tails and self._step_flush_params is not None
-        ids = []
-        if full:
-            ids = [self.blocks.block(seqs[i], before[i][1] + j) for i in full for j in range(kb)]
+        ids = [self.blocks.block(seqs[i], before[i][1] + j) for i in full for j in range(kb)]
         if full and not in_graph:
             pools = self.pools if layer is None else [self.pools[layer]]
             flush_layers(pools, [seqs[i].slot for i in full], ids, [r + kb * g - 1] * len(full),
@@ -340,10 +338,8 @@ class KiviStore:
             parts += [flush, np.array([*self._step_flush_params, b], dtype=np.int32)]
         packed = mx.array(np.concatenate(parts))
         slots, write_pos, num_blocks, tail_lens, offsets_d = (packed[i * b:(i + 1) * b] for i in range(5))
-        at = 5 * b + tables.size
-        step_flush_meta = None
-        if in_graph:
-            step_flush_meta = (packed[at:at + b], packed[at + b:at + b + b * kb], packed[at + b + b * kb:])
+        at, end = 5 * b + tables.size, 5 * b + tables.size + b * (1 + kb)  # the tables end; the flush's ids end
+        step_flush_meta = (packed[at:at + b], packed[at + b:end], packed[end:]) if in_graph else None
         shape = (b, self.pools[0].tail_k.shape[1], 1)
         write_index = (mx.broadcast_to(slots[:, None, None], shape),
                        mx.broadcast_to(mx.arange(shape[1], dtype=mx.int32)[None, :, None], shape),
