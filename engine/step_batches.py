@@ -36,7 +36,8 @@ class DecodeBatch:
     # params, for `dispatch.step_flush`; None where the flush ran before the step.
     flush: tuple[mx.array, mx.array, mx.array] | None = None
     # The attention launch of this step (dispatch.attend_plan), made by the first
-    # layer, with whether it writes the tails itself (dispatch.writes_tail).
+    # layer, with whether it writes the tails itself (dispatch.writes_tail); under
+    # "flush", the in-graph flush's launches (KiviStore._step_flush).
     plans: dict = field(default_factory=dict)
 
 
