@@ -205,7 +205,7 @@ def engine_steps(args, model, prompts, flushes: list[int], history: list[list[in
     # counted from the sequences, not from a flush call).
     state = {"timing": False}
     store = engine.kv_store
-    brim = store.config.residual + store.config.flush_blocks * store.config.group_size - 1
+    brim = store.config.residual + store.config.flush_tokens - 1
     real = store.begin_decode
 
     def counted_begin(seqs, *a, **k):

@@ -226,9 +226,11 @@ def flush_layers(
         mod.flush_layers(pools, slots, ids, bits=bits, group_size=group_size, blocks_per_slot=blocks_per_slot)
 
 
-def step_flush_params(pool: KiviPool, blocks_per_slot: int, use_kernel: bool | None = None) -> tuple[int, ...] | None:
-    """The int32 params `step_flush` takes for pools like ``pool``, or None where a
-    decode step cannot flush inside its own graph (no in-place flush kernel here)."""
+def step_flush_params(pool: KiviPool, blocks_per_slot: int,
+                      use_kernel: bool | None = None) -> tuple[int, ...] | None:
+    """The int32 params `step_flush` takes for pools like ``pool`` but the last (the
+    batch size, which follows them), or None where a decode step cannot flush inside
+    its own graph (no in-place flush kernel here)."""
     return kivi_cuda.flush_params(pool, blocks_per_slot) if blocks_written_in_place(pool, use_kernel) else None
 
 

@@ -3,10 +3,11 @@
 Every backend module (this one, `kernels.kivi_metal`) offers the same names:
 NAME, `available`, `supports` / `attend_plan` (decode attention), `flush_supports` /
 `kivi_flush` / `flush_layers` (tail flush), `write_blocks` (a forward's new blocks).
-This one also flushes inside a decode step's graph (`step_flush`, `flush_params`).
-This one also runs a decode step's attention prologue inside its split kernels
-(`prologue_supports`, `attend_plan(..., prologue=)`). The kernels themselves: attention in `kernels.cuda_attend`, the flush and the block
-writes in `kernels.cuda_flush`, launch planning shared with Metal in `kernels.launch`.
+This one also flushes inside a decode step's graph (`step_flush`, `flush_params`) and
+runs a decode step's attention prologue inside its split kernels (`prologue_supports`,
+`attend_plan(..., prologue=)`). The kernels themselves: attention in
+`kernels.cuda_attend`, the flush and the block writes in `kernels.cuda_flush`, launch
+planning shared with Metal in `kernels.launch`.
 """
 
 from __future__ import annotations
@@ -37,5 +38,5 @@ def attend_plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_le
 
 
 __all__ = ["ATTEND_KERNEL", "HEAD_DIMS", "MERGE_KERNEL", "NAME", "POOL_DTYPES", "AttendPlan", "attend_plan",
-           "available", "flush_layers", "flush_params", "flush_supports", "kivi_decode_attend", "kivi_flush", "split_plan",
-           "prologue_supports", "step_flush", "supports", "write_blocks"]
+           "available", "flush_layers", "flush_params", "flush_supports", "kivi_decode_attend", "kivi_flush",
+           "split_plan", "prologue_supports", "step_flush", "supports", "write_blocks"]
