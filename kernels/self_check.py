@@ -4,9 +4,13 @@ this GPU, driver or MLX build, shows before any request does.
 
 What is checked is what the engine runs (`kernels.dispatch` with `use_kernel=None`):
 
-* flush: `dispatch.flush_layers` of two layers, some slots flushing one block each,
-  against the reference path (`use_kernel=False`) on identical pools: every array
-  bit for bit (the flush kernels' contract).
+* flush: both ways the engine flushes, against the reference path
+  (`use_kernel=False`) on identical pools, every array bit for bit (the flush
+  kernels' contract): `dispatch.flush_layers` of two layers (a flush evaluated on
+  its own, as before a first step), and, where a decode step flushes inside its own
+  graph (`dispatch.step_flush_params`), `dispatch.step_flush` as a step launches it:
+  the flushing slots first, then -1 to the batch's size, more flushing slots than
+  thread blocks per head so that a block takes several.
 * attend: `dispatch.attend_plan` over a few sequences of different lengths (no block
   and a short tail; blocks and a full tail; ...), called as the engine calls it: with
   the step's new token where the plan writes the tail itself (`dispatch.writes_tail`;
@@ -92,31 +96,41 @@ def _normal(rng, shape, dtype) -> mx.array:
 
 def _check_flush(*, bits, g, d, h_q, h_kv, dtype, r) -> str | None:
     rng = np.random.default_rng(0)
-    slots, ids, lens = [2, 0], [5, 1], [r + g, r + g]  # two of three slots flush
-    layers = []
-    for _ in range(2):
-        x = {n: rng.normal(size=(3, h_kv, r + g, d)).astype(np.float32) for n in ("tail_k", "tail_v")}
-        layers.append(x)
+    batch = 7  # slots; a step's flush gives min(batch, 4) thread blocks to its 6 flushing slots
+    slots, ids = [5, 2, 0, 6, 3, 1], [9, 5, 1, 12, 3, 7]
+    layers = [{n: rng.normal(size=(batch, h_kv, r + g, d)).astype(np.float32) for n in ("tail_k", "tail_v")}
+              for _ in range(2)]
 
     def pools():
         made = []
         for x in layers:
-            pool = allocate_pool(8, 3, h_kv, d, bits=bits, group_size=g, residual=r, dtype=dtype)
+            pool = allocate_pool(16, batch, h_kv, d, bits=bits, group_size=g, residual=r, dtype=dtype)
             pool.tail_k[...] = mx.array(x["tail_k"]).astype(dtype)
             pool.tail_v[...] = mx.array(x["tail_v"]).astype(dtype)
             mx.eval(*pool)
             made.append(pool)
         return made
 
-    got, want = pools(), pools()
-    dispatch.flush_layers(got, slots, ids, lens, bits=bits, group_size=g)
-    dispatch.flush_layers(want, slots, ids, lens, bits=bits, group_size=g, use_kernel=False)
-    mx.eval([*got, *want])
+    want = pools()
+    dispatch.flush_layers(want, slots, ids, [r + g] * len(slots), bits=bits, group_size=g, use_kernel=False)
+    eager = pools()
+    dispatch.flush_layers(eager, slots, ids, [r + g] * len(slots), bits=bits, group_size=g)
+    arms = [("flush_layers", eager)]
+    params = dispatch.step_flush_params(want[0], 1)
+    if params is not None:
+        step = pools()
+        pad = [-1] * (batch - len(slots))
+        meta = (mx.array(slots + pad, dtype=mx.int32), mx.array(ids + pad, dtype=mx.int32),
+                mx.array([*params, batch], dtype=mx.int32))
+        mx.eval(dispatch.step_flush(step, *meta, bits=bits, group_size=g))
+        arms.append(("step_flush", step))
+    mx.eval(*want)
     mx.synchronize()
-    for layer, (a, b) in enumerate(zip(got, want)):
-        diff = _first_difference(a, b)
-        if diff is not None:
-            return f"layer {layer}: {diff}"
+    for name, got in arms:
+        for layer, (a, b) in enumerate(zip(got, want)):
+            diff = _first_difference(a, b)
+            if diff is not None:
+                return f"{name}, layer {layer}: {diff}"
     return None
 
 

@@ -216,3 +216,19 @@ def test_step_flush_in_the_graph_runs_before_the_attention(layers):
         assert np.array_equal(to_np(got[layer]), to_np(expected[layer])), f"layer {layer}: output differs"
         for name, a, b in zip(KiviPool._fields, sets[0][layer], sets[1][layer]):
             assert np.array_equal(to_np(a), to_np(b)), f"layer {layer}: {name} differs"
+
+
+@pytest.mark.parametrize("layout", [dict(bits=4, group_size=32, head_dim=128, num_q_heads=32, num_kv_heads=8,
+                                         dtype=mx.bfloat16),
+                                    dict(bits=2, group_size=32, head_dim=64, num_q_heads=9, num_kv_heads=3,
+                                         dtype=mx.float16)],
+                         ids=["qwen3-4b-4bit", "smollm2-2bit"])
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_the_start_up_self_check_passes_and_covers_the_step_flush(layout):
+    from kiviq.kernels.self_check import self_check
+    pool = allocate_pool(2, 1, layout["num_kv_heads"], layout["head_dim"], bits=layout["bits"],
+                         group_size=layout["group_size"], residual=R, dtype=layout["dtype"])
+    if backend() == "cuda":  # the step's in-graph flush is one of the flushes it checks
+        assert dispatch.step_flush_params(pool, 1) is not None
+    assert self_check(**layout, residual=R) is None

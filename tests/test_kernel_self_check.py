@@ -92,3 +92,38 @@ def test_a_kernel_that_raises_is_reported_with_the_error(inject):
     reason = self_check(**LAYOUT)
     assert reason is not None and reason.startswith("attend kernel: raised RuntimeError"), reason
     assert "expected a ;" in reason and "\n" not in reason
+
+
+def fake_step_flush(monkeypatch, *, fault=False):
+    """Make dispatch say that a decode step flushes inside its graph here, with a
+    stand-in `step_flush` that flushes by the reference the slots before the first -1
+    (the kernel's contract), optionally dropping the last of them. Returns the
+    (slots, ids, params) each call got."""
+    calls = []
+
+    def step_flush(pools, slots, ids, params, *, bits, group_size, use_kernel=None):
+        calls.append((slots.tolist(), ids.tolist(), params.tolist()))
+        live = [s for s in slots.tolist()[:params.tolist()[-1]] if s >= 0]
+        live = live[:-1] if fault else live
+        gather_flush_layers(pools, live, ids.tolist()[:len(live)], bits=bits, group_size=group_size)
+        return [mx.zeros((1,), mx.int32)]
+
+    monkeypatch.setattr(dispatch, "step_flush_params", lambda pool, k, use_kernel=None: (160, 2, k))
+    monkeypatch.setattr(dispatch, "step_flush", step_flush)
+    return calls
+
+
+def test_the_flush_a_decode_step_launches_is_checked_as_a_step_launches_it(inject, monkeypatch):
+    inject(fake_backend())
+    calls = fake_step_flush(monkeypatch)
+    assert self_check(**LAYOUT) is None
+    [(slots, ids, params)] = calls
+    assert params[-1] == len(slots) == len(ids) and slots[-1] == -1  # padded to the batch, as a step's
+    assert sum(s >= 0 for s in slots) > 4  # more flushing slots than a step's thread blocks per head
+
+
+def test_a_wrong_step_flush_is_reported(inject, monkeypatch):
+    inject(fake_backend())
+    fake_step_flush(monkeypatch, fault=True)
+    reason = self_check(**LAYOUT)
+    assert reason is not None and reason.startswith("flush kernel: step_flush, layer 0:"), reason
