@@ -79,6 +79,15 @@ def _prologues(attn: nn.Module) -> dict[bool, Prologue]:
     return {rotate: Prologue(**spec, rotate=rotate) for rotate in (False, True)}
 
 
+def decode_prologue(model: nn.Module, *, rotate: bool) -> Prologue | None:
+    """The prologue a decode step's attention kernels run for ``model`` (its layers'
+    are alike: `_prologues`), or None where `install_decode_attention` gave its
+    layers no such path."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    prologues = getattr(getattr(layers[0], "self_attn", None), "_prologues", None) if layers else None
+    return None if prologues is None else prologues[rotate]
+
+
 def install_decode_attention(model: nn.Module, *, anywhere: bool = False) -> int:
     """Give every eligible attention layer of ``model`` the prologue-in-the-kernel
     decode path. Returns the layers changed: 0 where the kernel cannot run (no CUDA,

@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from kiviq.engine.batch_engine import Engine
 from kiviq.engine.config import EngineConfig
-from kiviq.engine.decode_attention import install_decode_attention
+from kiviq.engine.decode_attention import decode_prologue, install_decode_attention
 from kiviq.engine.fused_residuals import install_fused_residuals
 from kiviq.engine.flat_quantized import flatten_quantized_matmuls
 from kiviq.engine.fused_projections import fuse_projections
@@ -120,7 +120,8 @@ def kernel_choice(config: EngineConfig, model: Any) -> bool | None:
     try:
         reason = self_check(bits=config.kv_bits, group_size=config.kv_group_size, head_dim=head_dim,
                             num_q_heads=model.args.num_attention_heads, num_kv_heads=n_kv,
-                            dtype=model_dtype(model), residual=config.kv_residual)
+                            dtype=model_dtype(model), residual=config.kv_residual,
+                            prologue=decode_prologue(model, rotate=config.kv_rotate))
     except Exception as e:  # noqa: BLE001 - any failure means the kernel is not trusted
         reason = f"self-check raised {type(e).__name__}: {e}"
     if reason is None:

@@ -24,6 +24,10 @@ What is checked is what the engine runs (`kernels.dispatch` with `use_kernel=Non
   q * scale and p * scale are representable), which is what lets the plain
   reference stand in for the tests' per-kernel oracles. A tail written by the
   plan must equal the scattered one bit for bit.
+* prologue (given the model's `Prologue`, where `dispatch.prologue_plan` runs it in
+  the launch, as a decode step on CUDA does): the same case from a fused q/k/v row,
+  against `Prologue.reference` followed by the plain plan: output and tails bit for
+  bit (the prologue kernel's contract).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import numpy as np
 from kiviq.kernels import dispatch
 from kiviq.kernels.kivi_reference import decode_attention
 from kiviq.kernels.layout import KiviPool, allocate_pool
+from kiviq.kernels.qk_rope import Prologue
 
 OUT_TOL = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7, mx.float32: 2.0**-20}
 UNIT_ROUNDOFF = {mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8, mx.float32: 2.0**-24}
@@ -41,12 +46,14 @@ _MAX_REASON = 600
 
 
 def self_check(*, bits: int, group_size: int, head_dim: int, num_q_heads: int, num_kv_heads: int,
-               dtype: mx.Dtype, residual: int = 128) -> str | None:
+               dtype: mx.Dtype, residual: int = 128, prologue: Prologue | None = None) -> str | None:
     """Check the kernels `dispatch` chooses here against the reference, once.
 
     Args:
         bits, group_size, head_dim, num_q_heads, num_kv_heads, dtype, residual: the
             engine's KIVI layout (b, G, D, H_q, H_kv, pool dtype, R).
+        prologue: the model's decode prologue, where its attention layers hand the
+            kernels their q/k/v projection (`engine.decode_attention`); None: not checked.
 
     Returns:
         None when the kernels agree with the reference, or when no kernel runs here
@@ -57,7 +64,9 @@ def self_check(*, bits: int, group_size: int, head_dim: int, num_q_heads: int, n
         return None
     shape = dict(bits=bits, g=group_size, d=head_dim, h_q=num_q_heads, h_kv=num_kv_heads, dtype=dtype,
                  r=residual)
-    for name, check in (("flush", _check_flush), ("attend", _check_attend)):
+    checks = (("flush", _check_flush), ("attend", _check_attend),
+              ("prologue", lambda **kw: None if prologue is None else _check_prologue(**kw, prologue=prologue)))
+    for name, check in checks:
         try:
             reason = check(**shape)
         except Exception as e:  # a compile or launch error is the answer, not a crash
@@ -217,6 +226,44 @@ def _check_attend(*, bits, g, d, h_q, h_kv, dtype, r) -> str | None:
     for name in ("tail_k", "tail_v"):
         if not np.array_equal(_bits(getattr(got_pool, name)), _bits(getattr(want_pool, name))):
             return f"{name} after the step differs from the tail with the token written"
+    return None
+
+
+def _check_prologue(*, bits, g, d, h_q, h_kv, dtype, r, prologue: Prologue) -> str | None:
+    case = dict(bits=bits, g=g, d=d, h_q=h_q, h_kv=h_kv, dtype=dtype, r=r)
+    _, got_pool, table, nb, slots, tl, _, _ = _attend_case(**case)
+    want_pool = _attend_case(**case)[1]
+    b, scale = table.shape[0], d**-0.5
+    shape = (b, h_q, 1, d)
+    plan = dispatch.prologue_plan(shape, dtype, got_pool, table, nb, slots, tl, scale=scale, bits=bits,
+                                  group_size=g, prologue=prologue, rotate_out=prologue.rotate)
+    if plan is None:  # the engine runs Prologue.reference and the plain plan here, as below
+        return None
+    rng = np.random.default_rng(2)
+    width = (h_q + 2 * h_kv) * d
+    # Magnitudes varied per value, as real activations are: the norms then matter.
+    qkv = mx.array(rng.normal(size=(b, 1, width)) * rng.uniform(0.1, 30.0, size=(b, 1, width)), dtype=dtype)
+    offsets = mx.array(rng.integers(0, 40_000, size=b), dtype=mx.int32)
+    q_norm, k_norm = (mx.array(rng.uniform(0.2, 2.0, size=d), dtype=dtype) if prologue.norm else None
+                      for _ in range(2))
+    out = plan.with_prologue(qkv, got_pool, offsets, q_norm, k_norm)
+    q, k, v = prologue.reference(qkv, offsets, q_norm, k_norm)
+    plain = dispatch.attend_plan(shape, dtype, want_pool, table, nb, slots, tl, scale=scale, bits=bits,
+                                 group_size=g, rotate_out=prologue.rotate)
+    if dispatch.writes_tail(plain):
+        want = plain(q, want_pool, k, v)
+    else:
+        _write_token(want_pool, slots, tl, k, v)
+        want = plain(q, want_pool)
+    mx.eval(out, want, *got_pool, *want_pool)
+    mx.synchronize()
+    x, y = _bits(out), _bits(want)
+    if not np.array_equal(x, y):
+        return (f"output differs from Prologue.reference then the plain launch in {int((x != y).sum())} "
+                f"of {x.size} values")
+    for name in ("tail_k", "tail_v"):
+        if not np.array_equal(_bits(getattr(got_pool, name)), _bits(getattr(want_pool, name))):
+            return f"{name} differs from the tail Prologue.reference's token was written into"
     return None
 
 

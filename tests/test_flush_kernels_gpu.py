@@ -13,6 +13,7 @@ from kiviq.kernels import dispatch, kivi_cuda
 from kiviq.kernels.cuda_flush import MAX_FLUSH_LAYERS
 from kiviq.kernels.kivi_reference import flush_tails
 from kiviq.kernels.layout import KiviPool, allocate_pool
+from kiviq.kernels.qk_rope import Prologue
 
 R = 128
 
@@ -218,17 +219,21 @@ def test_step_flush_in_the_graph_runs_before_the_attention(layers):
             assert np.array_equal(to_np(a), to_np(b)), f"layer {layer}: {name} differs"
 
 
-@pytest.mark.parametrize("layout", [dict(bits=4, group_size=32, head_dim=128, num_q_heads=32, num_kv_heads=8,
-                                         dtype=mx.bfloat16),
-                                    dict(bits=2, group_size=32, head_dim=64, num_q_heads=9, num_kv_heads=3,
-                                         dtype=mx.float16)],
-                         ids=["qwen3-4b-4bit", "smollm2-2bit"])
+@pytest.mark.parametrize("layout,prologue", [
+    (dict(bits=4, group_size=32, head_dim=128, num_q_heads=32, num_kv_heads=8, dtype=mx.bfloat16),
+     Prologue(32, 8, rope_base=1e6, eps=1e-6, norm=True)),
+    (dict(bits=2, group_size=32, head_dim=128, num_q_heads=32, num_kv_heads=8, dtype=mx.bfloat16),
+     Prologue(32, 8, rope_base=1e6, eps=1e-6, norm=True, rotate=True)),
+    (dict(bits=2, group_size=32, head_dim=64, num_q_heads=9, num_kv_heads=3, dtype=mx.float16),
+     Prologue(9, 3, rope_base=1e5))], ids=["qwen3-4b-4bit", "qwen3-4b-2r", "smollm2-2bit"])
 @pytest.mark.gpu
 @NEEDS_GPU
-def test_the_start_up_self_check_passes_and_covers_the_step_flush(layout):
+def test_the_start_up_self_check_passes_and_covers_the_step(layout, prologue):
     from kiviq.kernels.self_check import self_check
     pool = allocate_pool(2, 1, layout["num_kv_heads"], layout["head_dim"], bits=layout["bits"],
                          group_size=layout["group_size"], residual=R, dtype=layout["dtype"])
-    if backend() == "cuda":  # the step's in-graph flush is one of the flushes it checks
+    if backend() == "cuda":  # the step's in-graph flush and its prologue are among what it checks
         assert dispatch.step_flush_params(pool, 1) is not None
-    assert self_check(**layout, residual=R) is None
+        assert kivi_cuda.prologue_supports((1, prologue.n_heads, layout["head_dim"]), layout["dtype"], pool,
+                                           prologue) is None
+    assert self_check(**layout, residual=R, prologue=prologue) is None

@@ -76,7 +76,7 @@ def test_a_failed_self_check_switches_to_the_reference_with_one_warning(monkeypa
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert "reference" in warnings[0].getMessage() and str(failure) in warnings[0].getMessage()
     assert calls == [dict(bits=4, group_size=16, head_dim=32, num_q_heads=4, num_kv_heads=2,
-                          dtype=mx.float32, residual=32)]
+                          dtype=mx.float32, residual=32, prologue=None)]
     assert engine.kv_store.use_kernel is False and engine.config.use_kernel is False
 
     got = run_engine(engine, requests())
@@ -90,6 +90,19 @@ def test_a_passing_self_check_keeps_the_kernel_choice(monkeypatch, caplog):
         engine = build_engine(tiny_model(), IdTokenizer(), **OPTIONS)
     assert not caplog.records
     assert engine.kv_store.use_kernel is None
+
+
+def test_the_self_check_gets_the_prologue_the_decode_steps_run(monkeypatch):
+    import kiviq.engine.setup as setup
+    from kiviq.engine.decode_attention import install_decode_attention
+
+    calls = fake_self_check(monkeypatch, None)
+    # As on CUDA: the layers hand their projection row to the kernels.
+    monkeypatch.setattr(setup, "install_decode_attention", lambda m: install_decode_attention(m, anywhere=True))
+    model = tiny_model()
+    build_engine(model, IdTokenizer(), **OPTIONS)
+    [call] = calls
+    assert call["prologue"] is model.model.layers[0].self_attn._prologues[False]
 
 
 def test_a_forced_reference_runs_no_self_check(monkeypatch):

@@ -12,20 +12,36 @@ import pytest
 
 from kiviq.kernels import dispatch, launch
 from kiviq.kernels.kivi_reference import decode_attention, flush_tails, gather_flush_layers
+from kiviq.kernels.qk_rope import Prologue
 from kiviq.kernels.rotation import hadamard_rotate
+from kiviq.kernels.self_check import _write_token as write_token
 from kiviq.kernels.self_check import self_check
 
 LAYOUT = dict(bits=4, group_size=32, head_dim=64, num_q_heads=8, num_kv_heads=2, dtype=mx.float16)
 
 
-def fake_backend(*, attend_fault=None, attend_raises=None, flush_fault=False):
+def fake_backend(*, attend_fault=None, attend_raises=None, flush_fault=False, prologues=None,
+                 skip_norm=False):
     """A backend module with the names dispatch uses, computing with the reference,
     optionally wrong: attend output passed through `attend_fault`, attend_plan raising
-    `attend_raises`, or the flushed blocks' key scales doubled."""
+    `attend_raises`, or the flushed blocks' key scales doubled. Its plans run a
+    decode prologue (appended to `prologues`, a list) by `Prologue.reference`, and then
+    scatter the new token into the tail, as the CUDA plan's launch does; with
+    `skip_norm` that prologue leaves q and k unnormalized."""
     def attend_plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, *, scale, bits,
-                    group_size, rotate_out=False):
+                    group_size, rotate_out=False, prologue=None, after=()):
         if attend_raises is not None:
             raise attend_raises
+        if prologue is not None:
+            plain = attend_plan(q_shape, q_dtype, pool, block_tables, num_blocks, slots, tail_lens, scale=scale,
+                                bits=bits, group_size=group_size, rotate_out=rotate_out)
+
+            def with_prologue(qkv, p, offsets, q_norm=None, k_norm=None):
+                prologues.append(prologue)
+                q, k, v = prologue.reference(qkv, offsets, *((None, None) if skip_norm else (q_norm, k_norm)))
+                write_token(p, slots, tail_lens, k, v)
+                return plain(q, p)
+            return types.SimpleNamespace(with_prologue=with_prologue)
 
         def attend(q, p):
             flat = q.reshape(q.shape[0], q.shape[1], q.shape[-1])
@@ -45,7 +61,8 @@ def fake_backend(*, attend_fault=None, attend_raises=None, flush_fault=False):
 
     return types.SimpleNamespace(NAME="fake", supports=launch.supports, attend_plan=attend_plan,
                                  flush_supports=launch.flush_supports, kivi_flush=flush_tails,
-                                 flush_layers=flush_layers)
+                                 flush_layers=flush_layers,
+                                 prologue_supports=None if prologues is None else lambda *_: None)
 
 
 @pytest.fixture
@@ -127,3 +144,22 @@ def test_a_wrong_step_flush_is_reported(inject, monkeypatch):
     fake_step_flush(monkeypatch, fault=True)
     reason = self_check(**LAYOUT)
     assert reason is not None and reason.startswith("flush kernel: step_flush, layer 0:"), reason
+
+
+QWEN3_PROLOGUE = Prologue(8, 2, rope_base=1e6, eps=1e-6, norm=True)
+
+
+@pytest.mark.parametrize("prologue", [QWEN3_PROLOGUE, Prologue(8, 2, rope_base=1e4)], ids=["norms", "rope"])
+def test_the_prologue_in_the_launch_is_checked_where_the_kernel_runs_it(inject, prologue):
+    ran = []
+    inject(fake_backend(prologues=ran))
+    assert self_check(**LAYOUT, prologue=prologue) is None
+    assert ran == [prologue]
+    inject(fake_backend())  # no prologue in its launches: nothing more to check
+    assert self_check(**LAYOUT, prologue=prologue) is None
+
+
+def test_a_prologue_that_skips_the_norms_is_reported(inject):
+    inject(fake_backend(prologues=[], skip_norm=True))
+    reason = self_check(**LAYOUT, prologue=QWEN3_PROLOGUE)
+    assert reason is not None and reason.startswith("prologue kernel: output differs"), reason
