@@ -195,6 +195,22 @@ def _write_token(pool: KiviPool, slots, tail_lens, k_new, v_new) -> None:
     mx.eval(*pool)
 
 
+def _attend_with_token(plan, q, pool: KiviPool, slots, tail_lens, k_new, v_new) -> mx.array:
+    """`plan`'s output called as the engine calls it: given the step's token where it
+    writes the tail itself, after the token's scatter otherwise."""
+    if dispatch.writes_tail(plan):
+        return plan(q, pool, k_new, v_new)
+    _write_token(pool, slots, tail_lens, k_new, v_new)
+    return plan(q, pool)
+
+
+def _tails_differ(got: KiviPool, want: KiviPool, what: str) -> str | None:
+    for name in ("tail_k", "tail_v"):
+        if not np.array_equal(_bits(getattr(got, name)), _bits(getattr(want, name))):
+            return f"{name} after the step differs from {what}"
+    return None
+
+
 def _check_attend(*, bits, g, d, h_q, h_kv, dtype, r) -> str | None:
     q, got_pool, table, nb, slots, tl, k_new, v_new = _attend_case(bits=bits, g=g, d=d, h_q=h_q, h_kv=h_kv,
                                                                    dtype=dtype, r=r)
@@ -203,11 +219,7 @@ def _check_attend(*, bits, g, d, h_q, h_kv, dtype, r) -> str | None:
     scale = d**-0.5
     plan = dispatch.attend_plan(q.shape, q.dtype, got_pool, table, nb, slots, tl, scale=scale, bits=bits,
                                 group_size=g)
-    if dispatch.writes_tail(plan):
-        out = plan(q, got_pool, k_new, v_new)
-    else:
-        _write_token(got_pool, slots, tl, k_new, v_new)
-        out = plan(q, got_pool)
+    out = _attend_with_token(plan, q, got_pool, slots, tl, k_new, v_new)
     mx.eval(out, *got_pool)
     mx.synchronize()
     ref = decode_attention(q[:, :, 0].astype(mx.float32), want_pool, table, nb, slots, tl, scale=scale,
@@ -223,10 +235,7 @@ def _check_attend(*, bits, g, d, h_q, h_kv, dtype, r) -> str | None:
         worst = float(np.nanmax(np.where(np.isnan(err), np.inf, err)))
         return (f"output differs from the reference in {int(bad.sum())} of {bad.size} values, "
                 f"max error {worst:.3g} (bound {float(bound.max()):.3g})")
-    for name in ("tail_k", "tail_v"):
-        if not np.array_equal(_bits(getattr(got_pool, name)), _bits(getattr(want_pool, name))):
-            return f"{name} after the step differs from the tail with the token written"
-    return None
+    return _tails_differ(got_pool, want_pool, "the tail with the token written")
 
 
 def _check_prologue(*, bits, g, d, h_q, h_kv, dtype, r, prologue: Prologue) -> str | None:
@@ -250,21 +259,14 @@ def _check_prologue(*, bits, g, d, h_q, h_kv, dtype, r, prologue: Prologue) -> s
     q, k, v = prologue.reference(qkv, offsets, q_norm, k_norm)
     plain = dispatch.attend_plan(shape, dtype, want_pool, table, nb, slots, tl, scale=scale, bits=bits,
                                  group_size=g, rotate_out=prologue.rotate)
-    if dispatch.writes_tail(plain):
-        want = plain(q, want_pool, k, v)
-    else:
-        _write_token(want_pool, slots, tl, k, v)
-        want = plain(q, want_pool)
+    want = _attend_with_token(plain, q, want_pool, slots, tl, k, v)
     mx.eval(out, want, *got_pool, *want_pool)
     mx.synchronize()
     x, y = _bits(out), _bits(want)
     if not np.array_equal(x, y):
         return (f"output differs from Prologue.reference then the plain launch in {int((x != y).sum())} "
                 f"of {x.size} values")
-    for name in ("tail_k", "tail_v"):
-        if not np.array_equal(_bits(getattr(got_pool, name)), _bits(getattr(want_pool, name))):
-            return f"{name} differs from the tail Prologue.reference's token was written into"
-    return None
+    return _tails_differ(got_pool, want_pool, "the tail Prologue.reference's token was written into")
 
 
 __all__ = ["self_check"]
