@@ -39,6 +39,8 @@ def generate(model, tok, requests, *, bits, join_every=0, table_width_multiple=1
     from kiviq.engine import build_engine
 
     engine = build_engine(model, tok, kv_bits=bits, kv_memory=2 << 30, max_sequences=16, **options)
+    if options.get("use_kernel") is not False:  # else kernel == reference would hold trivially
+        assert engine.kv_store.use_kernel is not False, "the start-up self-check turned the kernels off"
     engine.kv_store.table_width_multiple = table_width_multiple
     out = run_engine(engine, requests, join_every)
     assert engine.kv_store.blocks.used_bytes() == 0
