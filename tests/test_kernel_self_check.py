@@ -5,6 +5,7 @@ reference. On CPU no kernel runs, so the checks below inject backends through
 
 from __future__ import annotations
 
+import itertools
 import types
 
 import mlx.core as mx
@@ -120,7 +121,7 @@ def fake_step_flush(monkeypatch, *, fault=False):
 
     def step_flush(pools, slots, ids, params, *, bits, group_size, use_kernel=None):
         calls.append((slots.tolist(), ids.tolist(), params.tolist()))
-        live = [s for s in slots.tolist()[:params.tolist()[-1]] if s >= 0]
+        live = list(itertools.takewhile(lambda s: s >= 0, slots.tolist()[:params.tolist()[-1]]))
         live = live[:-1] if fault else live
         gather_flush_layers(pools, live, ids.tolist()[:len(live)], bits=bits, group_size=group_size)
         return [mx.zeros((1,), mx.int32)]
