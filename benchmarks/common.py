@@ -56,8 +56,25 @@ def machine() -> str:
 
     device = mx.default_device()
     blas = "OpenBLAS preloaded" if "openblas" in os.environ.get("LD_PRELOAD", "") else "MLX's bundled BLAS"
-    return (f"{platform.machine()} {os.cpu_count()}-core{_cpu_model()}, {platform.system()}, mlx {mx.__version__} "
-            f"({device} backend), {blas}, Python {platform.python_version()}")
+    return (f"{platform.machine()} {os.cpu_count()}-core{_cpu_model()}{_smt()}, {platform.system()}, "
+            f"mlx {mx.__version__} ({device} backend), {blas}, Python {platform.python_version()}")
+
+
+def _smt() -> str:
+    """' N threads per core' where sysfs says the CPUs are SMT threads, else ''."""
+    cpus = range(os.cpu_count() or 1)
+    per_core = len(cpus) / max(1, len({physical_core(c) for c in cpus}))
+    return f", {per_core:g} threads per core" if per_core > 1 else ""
+
+
+def physical_core(cpu: int) -> str:
+    """The CPUs that share ``cpu``'s physical core, as sysfs lists them ("0,8" or
+    "0-1"); the CPU alone where sysfs does not say."""
+    path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return str(cpu)
 
 
 def _cpu_model() -> str:

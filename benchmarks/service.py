@@ -29,7 +29,8 @@ where a process runs out of memory, give smaller steps
 
 With 4 or more CPUs (``--split-cpus``, the default) the worker runs on the
 lower half of this process's CPUs and the client processes and Redis, which
-stand in for other machines, on the upper half; the raw engine runs on the
+stand in for other machines, on the upper half (halves of whole physical cores,
+SMT threads of a core on one side: `service_setup.split_cpus`); the raw engine runs on the
 worker's half while the worker waits. On the H200 host, sharing CPUs with them
 made the worker's engine steps up to 6 ms (of ~20) longer than the raw
 engine's (docs/performance.md, "The whole service on the bulk workload").

@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import physical_core
+
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "benchmarks" / "data" / "kjv_prose.txt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -43,15 +45,27 @@ def _kill_with_parent() -> None:
 
 # ---------------------------------------------------------------- CPUs
 
-def split_cpus(cpus: set[int]) -> tuple[set[int], set[int]] | None:
+def split_cpus(cpus: set[int], core_of=None) -> tuple[set[int], set[int]] | None:
     """(the worker's CPUs, the load's CPUs): the lower half for the worker and the
     upper half for what stands in for other machines (the client processes and
-    Redis), so the load does not share the worker's CPUs; None below 4 CPUs."""
+    Redis), so the load does not share the worker's CPUs; None below 4 CPUs.
+
+    The halves are whole physical cores: SMT threads of one core (``core_of``: a
+    CPU's core, by default from sysfs) stay on one side, since a busy thread slows
+    its sibling as a busy core does not (on a host whose CPUs 0-7 and 8-15 were
+    siblings, plain halves would put each client beside a worker thread)."""
     ordered = sorted(cpus)
     if len(ordered) < 4:
         return None
-    half = len(ordered) // 2
-    return set(ordered[:half]), set(ordered[half:])
+    cores: dict[str, list[int]] = {}
+    for cpu in ordered:
+        cores.setdefault((core_of or physical_core)(cpu), []).append(cpu)
+    if len(cores) < 2:
+        half = len(ordered) // 2
+        return set(ordered[:half]), set(ordered[half:])
+    groups = sorted(cores.values())  # by each core's lowest CPU
+    half = len(groups) // 2
+    return {c for g in groups[:half] for c in g}, {c for g in groups[half:] for c in g}
 
 
 def pin_this_process(cpus: set[int]) -> None:

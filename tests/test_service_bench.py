@@ -69,9 +69,23 @@ def test_summarize_times_ttft_itl_and_the_burst():
 def test_split_cpus_gives_the_worker_the_lower_half_and_needs_four():
     from benchmarks.service_setup import split_cpus
 
-    assert split_cpus({0, 1, 2, 3, 4, 5, 6, 7}) == ({0, 1, 2, 3}, {4, 5, 6, 7})
-    assert split_cpus({3, 9, 4, 8, 5}) == ({3, 4}, {5, 8, 9})
+    one_thread_per_core = str
+    assert split_cpus({0, 1, 2, 3, 4, 5, 6, 7}, one_thread_per_core) == ({0, 1, 2, 3}, {4, 5, 6, 7})
+    assert split_cpus({3, 9, 4, 8, 5}, one_thread_per_core) == ({3, 4}, {5, 8, 9})
     assert split_cpus({0, 1, 2}) is None
+
+
+def test_split_cpus_keeps_the_threads_of_a_core_on_one_side():
+    from benchmarks.service_setup import split_cpus
+
+    def siblings_8_apart(cpu):  # 8 cores of 2 threads, the second threads numbered 8-15
+        return f"{cpu % 8},{cpu % 8 + 8}"
+
+    worker, load = split_cpus(set(range(16)), siblings_8_apart)
+    assert worker == {0, 1, 2, 3, 8, 9, 10, 11} and load == {4, 5, 6, 7, 12, 13, 14, 15}
+    # One thread per core, or no word from sysfs: the plain halves.
+    assert split_cpus(set(range(8)), str) == ({0, 1, 2, 3}, {4, 5, 6, 7})
+    assert split_cpus(set(range(16)), lambda cpu: "all") == (set(range(8)), set(range(8, 16)))
 
 
 def test_pin_this_process_moves_threads_already_running():
@@ -154,3 +168,13 @@ def test_the_benchmark_runs_the_whole_path_and_its_checks_hold(tmp_path):
     # Run by run: each service run is followed by the raw engine's on the same requests.
     order = [proc.stdout.index(f"{arm} run {k}: ") for k in (1, 2) for arm in ("service", "raw engine")]
     assert order == sorted(order)
+
+
+def test_the_machine_line_says_when_cpus_are_smt_threads(monkeypatch):
+    import benchmarks.common as common
+
+    monkeypatch.setattr(common.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(common, "physical_core", lambda cpu: f"{cpu % 8},{cpu % 8 + 8}")
+    assert common._smt() == ", 2 threads per core"
+    monkeypatch.setattr(common, "physical_core", str)
+    assert common._smt() == ""
