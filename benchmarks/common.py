@@ -63,8 +63,17 @@ def machine() -> str:
 def _smt() -> str:
     """' N threads per core' where sysfs says the CPUs are SMT threads, else ''."""
     cpus = range(os.cpu_count() or 1)
-    per_core = len(cpus) / max(1, len({physical_core(c) for c in cpus}))
+    per_core = len(cpus) / max(1, len(physical_cores(cpus)))
     return f", {per_core:g} threads per core" if per_core > 1 else ""
+
+
+def physical_cores(cpus, core_of=None) -> list[list[int]]:
+    """``cpus`` grouped by physical core (``core_of``: a CPU's core, by default
+    `physical_core`), each group sorted, the groups by their lowest CPU."""
+    cores: dict[str, list[int]] = {}
+    for cpu in sorted(cpus):
+        cores.setdefault((core_of or physical_core)(cpu), []).append(cpu)
+    return sorted(cores.values())
 
 
 def physical_core(cpu: int) -> str:

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import physical_core
+from benchmarks.common import physical_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "benchmarks" / "data" / "kjv_prose.txt"
@@ -57,13 +57,10 @@ def split_cpus(cpus: set[int], core_of=None) -> tuple[set[int], set[int]] | None
     ordered = sorted(cpus)
     if len(ordered) < 4:
         return None
-    cores: dict[str, list[int]] = {}
-    for cpu in ordered:
-        cores.setdefault((core_of or physical_core)(cpu), []).append(cpu)
-    if len(cores) < 2:
+    groups = physical_cores(ordered, core_of)
+    if len(groups) < 2:
         half = len(ordered) // 2
         return set(ordered[:half]), set(ordered[half:])
-    groups = sorted(cores.values())  # by each core's lowest CPU
     half = len(groups) // 2
     return {c for g in groups[:half] for c in g}, {c for g in groups[half:] for c in g}
 

@@ -105,7 +105,7 @@ def _normal(rng, shape, dtype) -> mx.array:
 
 def _check_flush(*, bits, g, d, h_q, h_kv, dtype, r) -> str | None:
     rng = np.random.default_rng(0)
-    batch = 7  # slots; a step's flush gives min(batch, 4) thread blocks to its 6 flushing slots
+    batch = 7  # slots; a step's flush gives min(batch, STEP_FLUSH_SLOTS = 4) blocks per head to its 6 flushing slots
     slots, ids = [5, 2, 0, 6, 3, 1], [9, 5, 1, 12, 3, 7]
     layers = [{n: rng.normal(size=(batch, h_kv, r + g, d)).astype(np.float32) for n in ("tail_k", "tail_v")}
               for _ in range(2)]

@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 
 from kiviq.kernels import dispatch, launch
+from kiviq.kernels.cuda_flush import STEP_FLUSH_SLOTS
 from kiviq.kernels.kivi_reference import decode_attention, flush_tails, gather_flush_layers
 from kiviq.kernels.qk_rope import Prologue
 from kiviq.kernels.rotation import hadamard_rotate
@@ -137,7 +138,7 @@ def test_the_flush_a_decode_step_launches_is_checked_as_a_step_launches_it(injec
     assert self_check(**LAYOUT) is None
     [(slots, ids, params)] = calls
     assert params[-1] == len(slots) == len(ids) and slots[-1] == -1  # padded to the batch, as a step's
-    assert sum(s >= 0 for s in slots) > 4  # more flushing slots than a step's thread blocks per head
+    assert sum(s >= 0 for s in slots) > STEP_FLUSH_SLOTS  # more flushing slots than a step's blocks per head
 
 
 def test_a_wrong_step_flush_is_reported(inject, monkeypatch):
