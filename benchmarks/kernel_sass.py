@@ -41,7 +41,11 @@ def main() -> None:
                    help="__launch_bounds__ blocks per SM to compile for, one row each (0: no bounds)")
     p.add_argument("--prologue", action="store_true", help="compile the decode prologue in (PRO = 1)")
     p.add_argument("--cuobjdump", default=None)
+    p.add_argument("--dump", default=None, metavar="DIR",
+                   help="write each row's block-loop SASS to DIR/<dtype>-<bits>-<blocks>.sass")
     a = p.parse_args()
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
     if shutil.which("nvcc") is None:
         sys.exit("nvcc not found")
     cuobjdump = a.cuobjdump or find_cuobjdump()
@@ -56,7 +60,8 @@ def main() -> None:
         for bits in a.bits:
             for blocks in a.min_blocks:
                 unit = split_mma_unit(DTYPES[name], bits, a.head_dim, a.rep, blocks or None, prologue=a.prologue)
-                regs, loop = compile_and_count(unit, cuobjdump, a.maxrregcount)
+                dump = os.path.join(a.dump, f"{name}-{bits}-{blocks}.sass") if a.dump else None
+                regs, loop = compile_and_count(unit, cuobjdump, a.maxrregcount, dump)
                 print(f"| {name} | {bits} | {blocks or '-'} | {regs} | {sum(loop.values())} | "
                       + " | ".join(str(loop.get(o, 0)) for o in ops) + " |", flush=True)
 

@@ -3,9 +3,9 @@
 `translation_unit` (kernels.cuda_source) writes the file MLX's `cuda_kernel` compiles
 for one kernel instance; this module compiles such files (nvcc for sm_90a), to PTX for
 comparing two texts of a kernel, or to a cubin whose SASS cuobjdump disassembles, to
-count the instructions of the MMA split kernel's block loop: from the target of the
-backward branch after the last HMMA to that branch, i.e. one (block, kv head) tile per
-trip. A static count (the rare rescale branch included), the measure of the
+count the instructions of the MMA split kernel's block loop: the shortest range from a
+backward branch's target to that branch that holds an HMMA, i.e. one (block, kv head)
+tile per trip. A static count (the rare rescale branch included), the measure of the
 issue-bound part of a tile.
 """
 
@@ -82,26 +82,42 @@ def ptx_code(unit: str, out_dir: str, tag: str = "k") -> list[str]:
             if ln.strip() and not ln.strip().startswith((".loc", ".file", "//"))]
 
 
-def block_loop(sass: str) -> collections.Counter:
-    """Opcode counts of the block loop (see the module docstring)."""
+def block_loop_lines(sass: str) -> list[str]:
+    """The SASS lines of the block loop (see the module docstring): the shortest range from
+    a backward branch's target to the branch that holds an HMMA (the software-pipelined
+    loop has MMAs before and after it too)."""
     lines = [ln for ln in sass.splitlines() if _ADDR.search(ln) and _OP.search(ln)]
     addr = [int(_ADDR.search(ln).group(1), 16) for ln in lines]
-    mma = [i for i, ln in enumerate(lines) if "HMMA" in ln]
+    mma = [a for ln, a in zip(lines, addr) if "HMMA" in ln]
     if not mma:
         raise RuntimeError("no HMMA in the kernel")
-    for i in range(mma[-1], len(lines)):
-        m = re.search(r"BRA\s+(?:`?\(?\.L_x_\d+\)?`?\s*)?(0x[0-9a-f]+)", lines[i])
-        if m and int(m.group(1), 16) <= addr[mma[0]]:
-            lo, hi = int(m.group(1), 16), addr[i]
-            return collections.Counter(_OP.search(ln).group(1) for ln, a in zip(lines, addr) if lo <= a <= hi)
-    raise RuntimeError("no backward branch after the last HMMA")
+    best = None
+    for ln, a in zip(lines, addr):
+        m = re.search(r"BRA\s+(?:`?\(?\.L_x_\d+\)?`?\s*)?(0x[0-9a-f]+)", ln)
+        if m and int(m.group(1), 16) <= a:
+            lo = int(m.group(1), 16)
+            if any(lo <= x <= a for x in mma) and (best is None or a - lo < best[1] - best[0]):
+                best = (lo, a)
+    if best is None:
+        raise RuntimeError("no backward branch around an HMMA")
+    return [ln for ln, a in zip(lines, addr) if best[0] <= a <= best[1]]
 
 
-def compile_and_count(unit: str, cuobjdump: str, maxrreg: int | None) -> tuple[int, collections.Counter]:
-    """(registers per thread, block-loop opcode counts) of the kernel in `unit`."""
+def block_loop(sass: str) -> collections.Counter:
+    """Opcode counts of the block loop (see the module docstring)."""
+    return collections.Counter(_OP.search(ln).group(1) for ln in block_loop_lines(sass))
+
+
+def compile_and_count(unit: str, cuobjdump: str, maxrreg: int | None,
+                      dump: str | None = None) -> tuple[int, collections.Counter]:
+    """(registers per thread, block-loop opcode counts) of the kernel in `unit`; with
+    `dump`, the block loop's SASS lines written to that file."""
     extra = (f"-maxrregcount={maxrreg}",) if maxrreg else ()
     with tempfile.TemporaryDirectory() as tmp:
         cubin = nvcc(unit, "cubin", tmp, extra=extra)
         res = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    if dump:
+        with open(dump, "w") as f:
+            f.write("\n".join(ln.strip() for ln in block_loop_lines(sass)) + "\n")
     return int(re.search(r"REG:(\d+)", res).group(1)), block_loop(sass)

@@ -49,6 +49,22 @@
   __shared__ __align__(16) T q_rows[PRO ? REP * D : 1];  // the kv head's query rows (PRO)
 
   KIVI_SPLIT_INDICES
+  uint8_t* ws = smem + warp * WB;
+  // A quantized split stages its first block before anything else, so that the load
+  // overlaps the prologue (or q's load) instead of following it. The next block's
+  // table entry is read one block ahead: its load's latency hides behind a tile
+  // instead of stalling the prefetch that needs it (the last block's entry is read
+  // again at the end, in bounds and unused).
+  const int nb = min(num_blocks[b], mbs);
+  const int blk0 = split * bps;
+  const int blk1 = min(blk0 + bps, nb);
+  const int* table = block_tables + (size_t)b * mbs;
+  const kivi_stager<SD, D, KTILE, VTILE> stager(lane, k_codes, v_codes, k_scales, k_zeros, v_scales, v_zeros);
+  int tnext = 0;
+  if (split < nsplit && blk0 < blk1) {
+    stager.stage(ws, lane, (uint32_t)table[blk0] * H_kv + h);
+    tnext = table[(unsigned)min(blk0 + 1, blk1 - 1)];
+  }
   const T* qp = q + ((size_t)b * H_kv + h) * (REP * D);
   if constexpr (PRO) {
     kivi_prologue_block<T, D, NORM, ROT_IN, REP>(q, q_norm, rope, offsets, b, h, H_kv, trig, q_rows);
@@ -56,7 +72,6 @@
   }
   if (split >= nsu) return;
   const float qscale = qscale_in[0];
-  uint8_t* ws = smem + warp * WB;
   const size_t oi = ((size_t)(b * H_kv + h) * nsu + split) * REP;
 
   if (split >= nsplit) {  // a chunk of the fp16/bf16 tail, on the CUDA cores
@@ -112,28 +127,22 @@
   // Sums over tokens of p * value zero (zv) and, with offsets, of p * value scale as
   // rounded (tv); rows g and g + 8 of lane (g, f) hold channel group g % MP, heads
   // 2f + {0, 1}.
-  float zv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // zv is two m16n8k8 chains (as zc in the K phase): rows g of zv hold tokens 8f + {0, 1,
+  // 4, 5}, rows g + 8 of zv8 tokens 8f + {2, 3, 6, 7}; zv[e] + zv8[2 + e] is the sum.
+  float zv[4] = {0.0f, 0.0f, 0.0f, 0.0f}, zv8[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   float tv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < 2 * MP; ++i)
 #pragma unroll
     for (int j = 0; j < 4; ++j) oacc[i][j] = 0.0f;
 
-  const int nb = min(num_blocks[b], mbs);
-  const int blk0 = split * bps;
-  const int blk1 = min(blk0 + bps, nb);
-  const int* table = block_tables + (size_t)b * mbs;
-  if (blk0 < blk1) {
-    kivi_stage_tile<SD, D, KTILE, VTILE>(ws, lane, (size_t)table[blk0] * H_kv + h, k_codes,
-                                         v_codes, k_scales, k_zeros, v_scales, v_zeros);
-  }
+  uint8_t* st = ws;         // this block's stage
+  uint8_t* sn = ws + SB;    // the next block's
   for (int blk = blk0; blk < blk1; ++blk) {
     // Prefetch the next block into the other stage, then wait for this one.
-    const uint8_t* st = ws + ((blk - blk0) & 1) * SB;
     if (blk + 1 < blk1) {
-      kivi_stage_tile<SD, D, KTILE, VTILE>(ws + ((blk + 1 - blk0) & 1) * SB, lane,
-                                           (size_t)table[blk + 1] * H_kv + h, k_codes,
-                                           v_codes, k_scales, k_zeros, v_scales, v_zeros);
+      stager.stage(sn, lane, (uint32_t)tnext * H_kv + h);
+      tnext = table[(unsigned)min(blk + 2, blk1 - 1)];
       kivi_cp_wait<1>();
     } else {
       kivi_cp_wait<0>();
@@ -150,7 +159,13 @@
     // Two accumulators per m-tile (even and odd k-tiles): two independent MMA chains.
     // Every shared address below is a per-lane base plus a compile-time offset (one
     // LDS [R + imm] each; offsets kept in registers cost an IADD3 per load and registers).
-    float sc[2][4], sc2[2][4], zc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, tk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float sc[2][4], sc2[2][4], tk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // The zeros' term as two m16n8k8 chains whose A is the lane's (z01, z89) as loaded:
+    // rows g hold channels 4f, 4f+1 and rows g + 8 channels 4f+2, 4f+3 (k 2f, 2f+1), so
+    // with q's channels 4f, 4f+1 as B, rows g of zc are z . q over those channels (rows
+    // g + 8 unused), and with 4f+2, 4f+3 rows g + 8 of zc8 are the rest (an m16n8k16 of
+    // z01, z01, z89, z89 cost a MOV per copied register).
+    float zc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, zc8[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -173,7 +188,8 @@
       kivi_codes4<SD, BITS>(w89, x89);
       const uint32_t qa = kivi_hmul2<SD>(qb[kt][0], s01);
       const uint32_t qc = kivi_hmul2<SD>(qb[kt][1], s89);
-      kivi_mma<SD>(zc, z01, z01, z89, z89, qb[kt][0], qb[kt][1]);
+      kivi_mma8<SD>(zc, z01, z89, qb[kt][0]);
+      kivi_mma8<SD>(zc8, z01, z89, qb[kt][1]);
       if constexpr (OFF) kivi_mma<SD>(tk, KIVI_ONES_BF16, KIVI_ONES_BF16, KIVI_ONES_BF16, KIVI_ONES_BF16, qa, qc);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
@@ -185,6 +201,8 @@
     for (int i = 0; i < 2; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) sc[i][j] += sc2[i][j];
+    zc[0] += zc8[2];
+    zc[1] += zc8[3];
     // sc[mt][2 * hi + e]: token 4g + 2mt + hi (code position j = 2mt + hi), query head 2f + e.
     // ---- online softmax over the block's 32 tokens (base 2) ----
     float alpha[2];
@@ -192,7 +210,7 @@
     for (int e = 0; e < 2; ++e) {
       float bm = KIVI_NEG_INF;
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {  // zc[e] = zc[2 + e] (every row of A is the zeros)
+      for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
         for (int hi = 0; hi < 2; ++hi)
           sc[mt][2 * hi + e] = kivi_unfold<SD, BITS>(2 * mt + hi, sc[mt][2 * hi + e], tk[e], qscale, zc[e] * qscale);
@@ -226,8 +244,8 @@
       }
       zv[0] *= alpha[0];
       zv[1] *= alpha[1];
-      zv[2] *= alpha[0];
-      zv[3] *= alpha[1];
+      zv8[2] *= alpha[0];
+      zv8[3] *= alpha[1];
       if constexpr (OFF) {
         tv[0] *= alpha[0];
         tv[1] *= alpha[1];
@@ -243,8 +261,10 @@
     const uint4* vsl = reinterpret_cast<const uint4*>(vs + 8 * f);
     {  // the zeros' term of every channel group at once (see zv)
       const uint4 z = reinterpret_cast<const uint4*>(vz + 8 * f)[(g % MP) * (G / 8)];
-      kivi_mma<SD>(zv, z.x, z.x, z.y, z.y, pq.x, pq.y);
-      kivi_mma<SD>(zv, z.z, z.z, z.w, z.w, pq.z, pq.w);
+      kivi_mma8<SD>(zv, z.x, z.y, pq.x);
+      kivi_mma8<SD>(zv8, z.x, z.y, pq.y);
+      kivi_mma8<SD>(zv, z.z, z.w, pq.z);
+      kivi_mma8<SD>(zv8, z.z, z.w, pq.w);
     }
     uint32_t vw[LW];  // (mp, kt): channels 32mp + 4g .. +3 of tokens 8f + 4kt .. +3
     kivi_lane_words<LW>(vc, lane, vw);
@@ -274,6 +294,9 @@
       }
     }
     __syncwarp();  // the next iteration's prefetch overwrites this stage and pt
+    uint8_t* const t = st;
+    st = sn;
+    sn = t;
   }
 
   // ---- (m, l, acc): oacc[2mp + i][2 * hi + e] = channel 32mp + 4g + 2i + hi, head 2f + e
@@ -287,7 +310,7 @@
     float zm[MP], tm[MP];  // group mp's zeros' (offsets') term of head r, from lane (mp, f)
 #pragma unroll
     for (int mp = 0; mp < MP; ++mp) {
-      zm[mp] = __shfl_sync(KIVI_FULL, zv[e], mp * 4 + f);
+      zm[mp] = __shfl_sync(KIVI_FULL, zv[e] + zv8[2 + e], mp * 4 + f);
       tm[mp] = OFF ? __shfl_sync(KIVI_FULL, tv[e], mp * 4 + f) : 0.0f;
     }
     if (r < REP) {

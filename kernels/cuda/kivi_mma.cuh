@@ -142,26 +142,52 @@ __device__ __forceinline__ void kivi_lane_operands(const uint32_t* w, int i, uin
   }
 }
 
-// Stage one (block, kv head) tile into dst: [k codes][v codes][k scales][k zeros]
-// [v scales][v zeros], all contiguous in global memory per tile; the codes in lane order.
+// Staging of (block, kv head) tiles into a warp's stages: [k codes][v codes][k scales]
+// [k zeros][v scales][v zeros], all contiguous in global memory per tile; the codes in
+// lane order. A lane's sources are per-lane bases made once (kivi_stager), so a tile
+// costs one IMAD.WIDE per base (base + tile * bytes) and its copies take the rest as
+// immediate offsets: a lane's chunks are lane + 32 k (k < C), and chunk lane + 32 k
+// sits 512 k bytes after chunk lane on both sides (kivi_lane_chunk's swizzle reads bits
+// 3-4 of the chunk index and flips bits 0-1, which 32 k leaves alone; the scales are
+// staged in order).
 template <typename SD, int D, int KTILE, int VTILE>
-__device__ __forceinline__ void kivi_stage_tile(uint8_t* dst, int lane, size_t tile,
-                                                const uint8_t* k_codes, const uint8_t* v_codes,
-                                                const SD* k_scales, const SD* k_zeros,
-                                                const SD* v_scales, const SD* v_zeros) {
-  constexpr int SC = D / 8;  // 16-byte chunks of one scale or zero array (D values)
-  constexpr int C = KTILE / 16 / 32;  // chunks per lane
-  const uint8_t* kc = k_codes + tile * KTILE;
-  const uint8_t* vc = v_codes + tile * VTILE;
-  for (int i = lane; i < KTILE / 16; i += 32) kivi_cp16(dst + kivi_lane_chunk<C>(i) * 16, kc + i * 16);
-  for (int i = lane; i < VTILE / 16; i += 32) kivi_cp16(dst + KTILE + kivi_lane_chunk<C>(i) * 16, vc + i * 16);
-  for (int i = lane; i < 4 * SC; i += 32) {
-    const int a = i / SC, c = i % SC;
-    const SD* src = (a == 0 ? k_scales : a == 1 ? k_zeros : a == 2 ? v_scales : v_zeros);
-    kivi_cp16(dst + KTILE + VTILE + a * (D * 2) + c * 16, src + tile * D + c * 8);
+struct kivi_stager {
+  static constexpr int C = KTILE / 16 / 32;  // code chunks per lane of a K (and a V) tile
+  static constexpr int NS = D / 8 * 4 / 32;  // scale and zero chunks per lane
+  const uint8_t* kc;
+  const uint8_t* vc;
+  const uint8_t* sz[NS];
+  int code_at;  // the lane's first code chunk in a stage, bytes
+
+  __device__ __forceinline__ kivi_stager(int lane, const uint8_t* k_codes, const uint8_t* v_codes,
+                                         const SD* k_scales, const SD* k_zeros, const SD* v_scales,
+                                         const SD* v_zeros) {
+    constexpr int SC = D / 8;  // 16-byte chunks of one scale or zero array (D values)
+    kc = k_codes + lane * 16;
+    vc = v_codes + lane * 16;
+    code_at = kivi_lane_chunk<C>(lane) * 16;
+#pragma unroll
+    for (int k = 0; k < NS; ++k) {
+      const int i = lane + 32 * k, a = i / SC, c = i % SC;
+      const SD* src = (a == 0 ? k_scales : a == 1 ? k_zeros : a == 2 ? v_scales : v_zeros);
+      sz[k] = reinterpret_cast<const uint8_t*>(src + c * 8);
+    }
   }
-  kivi_cp_commit();
-}
+
+  // Stage tile `tile` into dst (a stage of KTILE + VTILE + 4 D sizeof(SD) bytes).
+  __device__ __forceinline__ void stage(uint8_t* dst, int lane, uint32_t tile) const {
+    const uint8_t* k = kc + (size_t)tile * KTILE;
+    const uint8_t* v = vc + (size_t)tile * VTILE;
+#pragma unroll
+    for (int j = 0; j < C; ++j) kivi_cp16(dst + code_at + 512 * j, k + 512 * j);
+#pragma unroll
+    for (int j = 0; j < C; ++j) kivi_cp16(dst + KTILE + code_at + 512 * j, v + 512 * j);
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+      kivi_cp16(dst + KTILE + VTILE + lane * 16 + 512 * j, sz[j] + (size_t)tile * (D * sizeof(SD)));
+    kivi_cp_commit();
+  }
+};
 
 // c += A * B on the tensor cores: m16n8k16, SD inputs, float32 accumulation.
 template <typename SD>
@@ -177,5 +203,21 @@ __device__ __forceinline__ void kivi_mma(float (&c)[4], uint32_t a0, uint32_t a1
         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// c += A * B, m16n8k8: A as two registers (rows g and g + 8), B as one.
+template <typename SD>
+__device__ __forceinline__ void kivi_mma8(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
+  if constexpr (kivi_same<SD, __half>::value) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+  } else {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
   }
 }
