@@ -54,9 +54,10 @@ def flush_prepare(pool: KiviPool, slots, new_block_ids, tail_lens, *, bits: int,
 def flush_apply(pool: KiviPool, slots, ids, rows_k, rows_v, quantized, group_size):
     """Shift the tails and scatter the new blocks, in place (see `flush_tails`)."""
     shifted = [shifted_tail(r, group_size) for r in (rows_k, rows_v)]
-    # Every read of the pool (the gathers, the kernel) is finished before any write,
-    # so the scatters below update the pool's buffers in place instead of copying.
-    mx.eval(*quantized, *shifted)
+    # Every read of the pool (the gathers, the kernel) is finished, and its buffers
+    # released, before any write, so the scatters below update the pool's buffers in
+    # place instead of copying.
+    finish([*quantized, *shifted])
     write_flushed(pool, slots, ids, *shifted, quantized)
     return pool
 

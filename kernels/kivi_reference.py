@@ -355,11 +355,12 @@ def flush_tails(
         return pool
     slots, ids = checked
 
-    # rows: [F, H_kv, R + G, D]. Evaluated before any write: on the GPU a still
-    # pending read of a tail (this gather) keeps MLX from updating it in place, and
-    # the scatter below would copy the whole tail array (measured on CUDA).
+    # rows: [F, H_kv, R + G, D]. Evaluated and released before any write (`finish`):
+    # on the GPU a still pending read of a tail (this gather) keeps MLX from updating
+    # it in place, and the scatter below would copy the whole tail array (measured on
+    # CUDA).
     rows_k, rows_v = pool.tail_k[slots], pool.tail_v[slots]
-    mx.eval(rows_k, rows_v)
+    finish([rows_k, rows_v])
     quantized = quantize_flushed(pool, rows_k, rows_v, bits=bits, group_size=g)
     write_flushed(pool, slots, ids, shifted_tail(rows_k, g), shifted_tail(rows_v, g), quantized)
     return pool
