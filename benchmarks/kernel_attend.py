@@ -16,7 +16,8 @@ Per shape:
      input (the engine makes it once per step for all layers), then only launched;
   3. effective bandwidth = bytes the kernel must read (codes, scales, zeros of the
      real blocks, the real tail rows, q) / median time, against an elementwise device
-     copy measured in the same run (read + write bytes / time).
+     copy measured in the same run (read + write bytes / time; per call against per
+     call, device time against device time).
 Noise floor: the spread (max - min) / median of the unchanged fp16 SDPA baseline.
 
 Run (GPU): MLX_ENABLE_TF32=0 python benchmarks/kernel_attend.py --out DIR
@@ -246,14 +247,21 @@ def device_times(variants, inputs, repeats, calls=16):
     return out, ops
 
 
-def copy_bandwidth(repeats):
-    n = 2**29  # 1 GiB of fp16 per array
+def copy_bandwidth(repeats, device_time=False, n=2**29):
+    """The elementwise copy's bandwidth (read + write bytes / median time) of n fp16
+    values (1 GiB by default): (per call, its times, device time or None). The kernel's
+    "% copy" compares like with like: its per-call time with the copy's per-call time,
+    its device time with the copy's device time (a host hiccup in the copy's wall time
+    once made an H100's copy read 2.55-2.77 TB/s against 2.95 in device time)."""
     xs = [mx.random.normal((n,), key=mx.random.key(i)).astype(mx.float16) for i in range(3)]
     mx.eval(xs)
-    t = time_variants({"copy": lambda x: x + 1}, xs, repeats, target_s=0.01)["copy"]
+    variants = {"copy": lambda x: x + 1}
+    t = time_variants(variants, xs, repeats, target_s=0.01)["copy"]
+    dev = float(np.median(device_times(variants, xs, repeats, calls=4)[0]["copy"])) if device_time else None
     del xs
     mx.clear_cache()
-    return 2 * n * 2 / float(np.median(t)), t
+    nbytes = 2 * n * 2
+    return nbytes / float(np.median(t)), t, (nbytes / dev if dev else None)
 
 
 def check(args, dense_out, bits, arm=None):
@@ -357,8 +365,11 @@ def main():
           f"backend {dispatch.backend()}, TF32 env {os.environ.get('MLX_ENABLE_TF32')}, "
           f"pools {a.dtype}, split plans {list(arms)} (default: {launch.UNITS_PER_SM} warps per SM)",
           flush=True)
-    copy_bw, copy_t = copy_bandwidth(a.repeats)
-    print(f"device copy: {copy_bw / 1e12:.2f} TB/s (per-call ms {fmt_ms(copy_t)})", flush=True)
+    copy_bw, copy_t, copy_bw_device = copy_bandwidth(a.repeats, a.device_time)
+    copy_line = f"device copy: {copy_bw / 1e12:.2f} TB/s (per-call ms {fmt_ms(copy_t)})"
+    if copy_bw_device:
+        copy_line += f"; in device time {copy_bw_device / 1e12:.2f} TB/s"
+    print(copy_line, flush=True)
     # The issue's reference points first, then the grid.
     shapes = [(32, 8192), (64, 16384), (1, 32768)]
     shapes += [(b, s) for b in a.batches for s in a.seqs if (b, s) not in shapes]
@@ -423,14 +434,14 @@ def main():
                               x_deq=(med["deq"] / km) if "deq" in med else None)
                 if a.device_time:
                     kd, sd = float(np.median(dt[arm])), float(np.median(dt["sdpa"]))
-                    row += (f" {fmt_ms(dt[arm])} | {100 * nbytes / kd / copy_bw:.0f}% | {sd * 1e3:.3f} | "
+                    row += (f" {fmt_ms(dt[arm])} | {100 * nbytes / kd / copy_bw_device:.0f}% | {sd * 1e3:.3f} | "
                             f"{sd / kd:.2f} |")
-                    result.update(pct_device=nbytes / kd / copy_bw, x_sdpa_device=sd / kd)
+                    result.update(pct_device=nbytes / kd / copy_bw_device, x_sdpa_device=sd / kd)
                 rows.append(row)
                 results.append(result)
                 print(row, flush=True)
             with open(path, "w") as f:
-                f.write(f"device copy bandwidth: {copy_bw / 1e12:.2f} TB/s\n\n")
+                f.write(copy_line + "\n\n")
                 f.write("\n".join(rows) + "\n")
             del made, inputs, variants, dq_out
             _PLANS.clear()
@@ -459,6 +470,9 @@ def targets(results):
                 pct = r["pct" + key]
                 out.append(f"- >=70% of copy BW at B={r['b']} S={r['s']} {r['bits']}-bit{label}: "
                            f"{100 * pct:.0f}% {'MET' if pct >= 0.7 else 'MISSED'}")
+                if r["bits"] == 2 and (r["b"], r["s"]) in ((32, 8192), (64, 16384)):  # issue 23
+                    out.append(f"- >=80% of copy BW at B={r['b']} S={r['s']} 2-bit{label}: "
+                               f"{100 * pct:.0f}% {'MET' if pct >= 0.8 else 'MISSED'}")
     goals = {(32, 8192, 4): 3.0, (32, 8192, 2): 4.5, (64, 16384, 4): 2.5, (1, 32768, 4): 1.0,
              (1, 32768, 2): 1.0}
     for key, label in clocks:
