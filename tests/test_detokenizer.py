@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer, SPMStreamingDetokenizer, TokenizerWrapper
 
-from kiviq.engine.detokenizer import ByteStreamDetokenizer, make_detokenizer
+from kiviq.engine.detokenizer import ByteStreamDetokenizer, make_detokenizer, text_reader
 
 TEXTS = [
     "The sky is blue.\nfor i in range(3):\n    print(i)  # café, naïve, Zürich",
@@ -97,6 +97,21 @@ def test_sentencepiece_streams_its_decode_with_the_first_space(text):
     assert got[0] == " " and got[1:] == tokenizer.decode(ids)
     emoji = tokenizer.encode("🙂", add_special_tokens=False)
     assert stream(tokenizer, emoji)[-2:] == ["🙂", ""]
+
+
+def test_the_engines_reader_streams_what_add_token_and_last_segment_stream(smollm2):
+    """text_reader (the batch engine's per-token call): the same segments, for kiviq's
+    byte-level detokenizer (its text_of) and for mlx-lm's (add_token, last_segment)."""
+    _, tokenizer = smollm2
+    naive = TokenizerWrapper(tokenizer._tokenizer, NaiveStreamingDetokenizer)
+    ids = tokenizer.encode(TEXTS[1], add_special_tokens=False) + [len(tokenizer) + 5]
+    for wrapper in (tokenizer, naive):
+        d = make_detokenizer(wrapper)
+        read = text_reader(d)
+        assert (read == d.text_of) if isinstance(d, ByteStreamDetokenizer) else not hasattr(d, "text_of")
+        got = [read(token) for token in ids]
+        d.finalize()
+        assert got + [d.last_segment] == stream(wrapper, ids)
 
 
 def test_other_tokenizers_keep_mlx_lms_detokenizer(smollm2):
