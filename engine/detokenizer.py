@@ -45,10 +45,7 @@ class ByteStreamDetokenizer:
         self._segment = ""
 
     def add_token(self, token: int) -> None:
-        pieces = self._pieces
-        text = self._decode(pieces[token] if token < len(pieces) else _PAST_THE_MAP)
-        if text:
-            self._segment += text
+        self._segment = self.text_of(token)
 
     @property
     def last_segment(self) -> str:

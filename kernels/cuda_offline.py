@@ -103,9 +103,9 @@ def block_loop_lines(sass: str) -> list[str]:
     return [ln for ln, a in zip(lines, addr) if best[0] <= a <= best[1]]
 
 
-def block_loop(sass: str) -> collections.Counter:
-    """Opcode counts of the block loop (see the module docstring)."""
-    return collections.Counter(_OP.search(ln).group(1) for ln in block_loop_lines(sass))
+def opcode_counts(lines: list[str]) -> collections.Counter:
+    """Opcode counts of SASS lines."""
+    return collections.Counter(_OP.search(ln).group(1) for ln in lines)
 
 
 def compile_and_count(unit: str, cuobjdump: str, maxrreg: int | None,
@@ -117,7 +117,8 @@ def compile_and_count(unit: str, cuobjdump: str, maxrreg: int | None,
         cubin = nvcc(unit, "cubin", tmp, extra=extra)
         res = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    loop = block_loop_lines(sass)
     if dump:
         with open(dump, "w") as f:
-            f.write("\n".join(ln.strip() for ln in block_loop_lines(sass)) + "\n")
-    return int(re.search(r"REG:(\d+)", res).group(1)), block_loop(sass)
+            f.write("\n".join(ln.strip() for ln in loop) + "\n")
+    return int(re.search(r"REG:(\d+)", res).group(1)), opcode_counts(loop)
