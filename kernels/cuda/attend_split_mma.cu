@@ -127,9 +127,8 @@
   // Sums over tokens of p * value zero (zv) and, with offsets, of p * value scale as
   // rounded (tv); rows g and g + 8 of lane (g, f) hold channel group g % MP, heads
   // 2f + {0, 1}.
-  // zv is two m16n8k8 chains (as zc in the K phase): rows g of zv hold tokens 8f + {0, 1,
-  // 4, 5}, rows g + 8 of zv8 tokens 8f + {2, 3, 6, 7}; zv[e] + zv8[2 + e] is the sum.
-  float zv[4] = {0.0f, 0.0f, 0.0f, 0.0f}, zv8[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // Every row of zv's A is a zero, so rows g and g + 8 hold the same sums: zv[e] is read.
+  float zv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   float tv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < 2 * MP; ++i)
@@ -159,13 +158,11 @@
     // Two accumulators per m-tile (even and odd k-tiles): two independent MMA chains.
     // Every shared address below is a per-lane base plus a compile-time offset (one
     // LDS [R + imm] each; offsets kept in registers cost an IADD3 per load and registers).
-    float sc[2][4], sc2[2][4], tk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    // The zeros' term as two m16n8k8 chains whose A is the lane's (z01, z89) as loaded:
-    // rows g hold channels 4f, 4f+1 and rows g + 8 channels 4f+2, 4f+3 (k 2f, 2f+1), so
-    // with q's channels 4f, 4f+1 as B, rows g of zc are z . q over those channels (rows
-    // g + 8 unused), and with 4f+2, 4f+3 rows g + 8 of zc8 are the rest (an m16n8k16 of
-    // z01, z01, z89, z89 cost a MOV per copied register).
-    float zc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, zc8[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // The zeros' term in one m16n8k16 whose every row of A is the zeros (zc[e] = zc[2 + e]):
+    // one chain summing channels in the order the kernel's tokens have always been made in
+    // (two m16n8k8 chains on the zeros as loaded save a MOV per register but round the sum
+    // in another order, which changes greedy tokens).
+    float sc[2][4], sc2[2][4], zc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, tk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -188,8 +185,7 @@
       kivi_codes4<SD, BITS>(w89, x89);
       const uint32_t qa = kivi_hmul2<SD>(qb[kt][0], s01);
       const uint32_t qc = kivi_hmul2<SD>(qb[kt][1], s89);
-      kivi_mma8<SD>(zc, z01, z89, qb[kt][0]);
-      kivi_mma8<SD>(zc8, z01, z89, qb[kt][1]);
+      kivi_mma<SD>(zc, z01, z01, z89, z89, qb[kt][0], qb[kt][1]);
       if constexpr (OFF) kivi_mma<SD>(tk, KIVI_ONES_BF16, KIVI_ONES_BF16, KIVI_ONES_BF16, KIVI_ONES_BF16, qa, qc);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
@@ -201,8 +197,6 @@
     for (int i = 0; i < 2; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) sc[i][j] += sc2[i][j];
-    zc[0] += zc8[2];
-    zc[1] += zc8[3];
     // sc[mt][2 * hi + e]: token 4g + 2mt + hi (code position j = 2mt + hi), query head 2f + e.
     // ---- online softmax over the block's 32 tokens (base 2) ----
     float alpha[2];
@@ -244,8 +238,6 @@
       }
       zv[0] *= alpha[0];
       zv[1] *= alpha[1];
-      zv8[2] *= alpha[0];
-      zv8[3] *= alpha[1];
       if constexpr (OFF) {
         tv[0] *= alpha[0];
         tv[1] *= alpha[1];
@@ -261,10 +253,8 @@
     const uint4* vsl = reinterpret_cast<const uint4*>(vs + 8 * f);
     {  // the zeros' term of every channel group at once (see zv)
       const uint4 z = reinterpret_cast<const uint4*>(vz + 8 * f)[(g % MP) * (G / 8)];
-      kivi_mma8<SD>(zv, z.x, z.y, pq.x);
-      kivi_mma8<SD>(zv8, z.x, z.y, pq.y);
-      kivi_mma8<SD>(zv, z.z, z.w, pq.z);
-      kivi_mma8<SD>(zv8, z.z, z.w, pq.w);
+      kivi_mma<SD>(zv, z.x, z.x, z.y, z.y, pq.x, pq.y);
+      kivi_mma<SD>(zv, z.z, z.z, z.w, z.w, pq.z, pq.w);
     }
     uint32_t vw[LW];  // (mp, kt): channels 32mp + 4g .. +3 of tokens 8f + 4kt .. +3
     kivi_lane_words<LW>(vc, lane, vw);
@@ -310,7 +300,7 @@
     float zm[MP], tm[MP];  // group mp's zeros' (offsets') term of head r, from lane (mp, f)
 #pragma unroll
     for (int mp = 0; mp < MP; ++mp) {
-      zm[mp] = __shfl_sync(KIVI_FULL, zv[e] + zv8[2 + e], mp * 4 + f);
+      zm[mp] = __shfl_sync(KIVI_FULL, zv[e], mp * 4 + f);
       tm[mp] = OFF ? __shfl_sync(KIVI_FULL, tv[e], mp * 4 + f) : 0.0f;
     }
     if (r < REP) {

@@ -205,19 +205,3 @@ __device__ __forceinline__ void kivi_mma(float (&c)[4], uint32_t a0, uint32_t a1
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
 }
-
-// c += A * B, m16n8k8: A as two registers (rows g and g + 8), B as one.
-template <typename SD>
-__device__ __forceinline__ void kivi_mma8(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
-  if constexpr (kivi_same<SD, __half>::value) {
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(b0));
-  } else {
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(b0));
-  }
-}
