@@ -158,10 +158,9 @@
     // Two accumulators per m-tile (even and odd k-tiles): two independent MMA chains.
     // Every shared address below is a per-lane base plus a compile-time offset (one
     // LDS [R + imm] each; offsets kept in registers cost an IADD3 per load and registers).
-    // The zeros' term in one m16n8k16 whose every row of A is the zeros (zc[e] = zc[2 + e]):
-    // one chain summing channels in the order the kernel's tokens have always been made in
-    // (two m16n8k8 chains on the zeros as loaded save a MOV per register but round the sum
-    // in another order, which changes greedy tokens).
+    // The zeros' term in one m16n8k16 whose every row of A is the zeros (zc[e] = zc[2 + e]).
+    // Two m16n8k8 chains on the zeros as loaded would save a MOV per register, but they
+    // round the sum in another order, which changes greedy tokens.
     float sc[2][4], sc2[2][4], zc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, tk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < 2; ++i)
