@@ -84,8 +84,8 @@ def ptx_code(unit: str, out_dir: str, tag: str = "k") -> list[str]:
 
 def block_loop_lines(sass: str) -> list[str]:
     """The SASS lines of the block loop (see the module docstring): the shortest range from
-    a backward branch's target to the branch that holds an HMMA (the software-pipelined
-    loop has MMAs before and after it too)."""
+    a backward branch's target to the branch that holds an HMMA (not the first HMMA to
+    the last: a kernel may run MMAs outside its block loop)."""
     lines = [ln for ln in sass.splitlines() if _ADDR.search(ln) and _OP.search(ln)]
     addr = [int(_ADDR.search(ln).group(1), 16) for ln in lines]
     mma = [a for ln, a in zip(lines, addr) if "HMMA" in ln]
