@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import command, device_trace, machine, table  # noqa: E402
+from benchmarks.common import command, interleaved_device_us, machine, table  # noqa: E402
 from kiviq.kernels.add_rms_norm import add_rms_norm, add_rms_norm_reference, supported  # noqa: E402
 
 ARMS = {"stock (add, rms_norm)": add_rms_norm_reference, "kiviq add_rms_norm": add_rms_norm}
@@ -48,28 +48,6 @@ def same_bits(pairs, w) -> bool:
     return True
 
 
-def device_us(pairs, w, repeats: int, calls: int) -> dict[str, tuple[list[float], float]]:
-    """Per arm: device us per call, one figure per block of ``calls`` calls, and the
-    device ops per call."""
-    names = list(ARMS)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    ops: dict[str, float] = {}
-    for name in names:  # warm: compiles and first launches outside the trace
-        mx.eval(ARMS[name](*pairs[0], w, EPS))
-    k = 0
-    for rep in range(repeats):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
-            with device_trace() as events:
-                for _ in range(calls):
-                    mx.eval(ARMS[name](*pairs[k % len(pairs)], w, EPS))
-                    k += 1
-            if not events:
-                raise SystemExit("the device trace recorded nothing (CUPTI unavailable?)")
-            times[name].append(sum(e["dur"] for e in events) / calls)
-            ops[name] = len(events) / calls
-    return {name: (times[name], ops[name]) for name in names}
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 128], help="sequences in the decode step")
@@ -92,7 +70,8 @@ def main() -> None:
                 if not same_bits(pairs, w):
                     raise SystemExit(f"{dtype_name} {rows}x{size}: the kernel's bits differ from the stock ops; "
                                      "nothing timed")
-                for name, (us, ops) in device_us(pairs, w, a.repeats, a.calls).items():
+                operands = [(x, r, w, EPS) for x, r in pairs]
+                for name, (us, ops) in interleaved_device_us(ARMS, operands, a.repeats, a.calls).items():
                     rows_out.append([dtype_name, rows, size, name, f"{ops:g}",
                                      f"{min(us):.2f} / {np.median(us):.2f} / {max(us):.2f}"])
     print(table(["dtype", "rows", "size", "arm", "device ops per call", "device us per call min / median / max"],

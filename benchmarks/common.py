@@ -129,6 +129,33 @@ def device_trace(categories: tuple[str, ...] = DEVICE_EVENTS):
     events.extend(e for e in trace.get("traceEvents", []) if e.get("cat") in categories and "dur" in e)
 
 
+def interleaved_device_us(arms: dict, operands: list[tuple], repeats: int,
+                          calls: int) -> dict[str, tuple[list[float], float]]:
+    """Per arm (name -> function of one operand tuple): its device us per call, one
+    figure per block of ``calls`` evaluated calls, and the device ops per call. Each
+    arm is warmed first (compiles and first launches outside the trace); the blocks
+    are interleaved, the first arm rotating, and the operands rotate across calls."""
+    import mlx.core as mx
+
+    names = list(arms)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    ops: dict[str, float] = {}
+    for name in names:
+        mx.eval(arms[name](*operands[0]))
+    k = 0
+    for rep in range(repeats):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            with device_trace() as events:
+                for _ in range(calls):
+                    mx.eval(arms[name](*operands[k % len(operands)]))
+                    k += 1
+            if not events:
+                raise SystemExit("the device trace recorded nothing (CUPTI unavailable?)")
+            times[name].append(sum(e["dur"] for e in events) / calls)
+            ops[name] = len(events) / calls
+    return {name: (times[name], ops[name]) for name in names}
+
+
 def table(header: list[str], rows: list[list[object]]) -> str:
     """A markdown table (numbers already formatted by the caller)."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]

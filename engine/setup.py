@@ -12,7 +12,7 @@ import mlx.core as mx
 from kiviq.engine.batch_engine import Engine
 from kiviq.engine.config import EngineConfig
 from kiviq.engine.decode_attention import decode_prologue, install_decode_attention
-from kiviq.engine.fused_residuals import install_fused_residuals
+from kiviq.engine.fused_trunk import install_fused_trunk
 from kiviq.engine.flat_quantized import flatten_quantized_matmuls
 from kiviq.engine.fused_projections import fuse_projections
 from kiviq.engine.device_memory import apply_memory_limit, default_kv_memory, total_memory
@@ -147,7 +147,7 @@ def build_engine(model: Any, tokenizer: Any, config: EngineConfig | None = None,
         config = dataclasses.replace(config, **options)
     fuse_projections(model)  # q/k/v and gate/up as one matmul each: fewer ops per step
     install_decode_attention(model)  # split, q/k norms and RoPE of a decode step in one launch (CUDA)
-    install_fused_residuals(model)  # each residual add and the norm after it in one launch (CUDA)
+    install_fused_trunk(model)  # residual add + norm, and at one sequence SwiGLU + down, one launch each (CUDA)
     if config.flat_qmm:
         flatten_quantized_matmuls(model)
     # Before any default is sized from device memory: they count on this limit's share.

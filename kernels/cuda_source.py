@@ -36,6 +36,7 @@ _NAME = re.compile(r"\b(?:kivi|KIVI)_\w+")
 # dtype -> its C type in a kernel
 CUDA_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float",
               mx.int32: "int32_t", mx.uint8: "uint8_t"}
+MLX_DEVICE_HEADERS = "mlx/backend/cuda/device/"  # where MLX's JIT finds its own headers
 _PRELUDE = ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n"
             "#include <cooperative_groups.h>\n")
 
@@ -51,16 +52,20 @@ HEADER = read("cuda/kivi.cuh") + read("cuda/kivi_prologue.cuh") + read("cuda/kiv
 
 
 def cuda_kernel(file: str, *, name: str, input_names, output_names, prologue: str = "",
-                bounds: tuple[int, int] | None = None, **kw):
+                bounds: tuple[int, int] | None = None, mlx_headers: tuple[str, ...] = (), **kw):
     """`mx.fast.cuda_kernel` of the kernel body in kernels/cuda/`file` (after
     `prologue`, generated code), compacted, with the items of kernels/cuda/kivi.cuh,
     kivi_prologue.cuh and kivi_mma.cuh it reaches as its header; None where MLX has no
     CUDA backend.
-    bounds: (threads per block, blocks per SM) the compiler must fit (`launch_bounds`)."""
+    bounds: (threads per block, blocks per SM) the compiler must fit (`launch_bounds`).
+    mlx_headers: MLX's own device headers to include ("unary_ops.cuh": the functors its
+    compiled kernels use), which its JIT compiler carries; a kernel that includes one
+    rounds exactly as MLX's ops do, in any MLX version."""
     if not cuda_available():
         return None
     source = prologue + read("cuda/" + file)
-    header = kernel_header(HEADER, source) + (launch_bounds(*bounds) if bounds else "")
+    header = "".join(f'#include "{MLX_DEVICE_HEADERS}{h}"\n' for h in mlx_headers)
+    header += kernel_header(HEADER, source) + (launch_bounds(*bounds) if bounds else "")
     return mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
                                source=compact(source), header=header, **kw)
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kiviq.engine.fused_residuals import install_fused_residuals
+from kiviq.engine.fused_trunk import install_fused_trunk
 from kiviq.kernels.add_rms_norm import add_rms_norm, add_rms_norm_reference, check, norm_plan, supported
 from tests.test_model_families import tiny_model
 
@@ -47,7 +47,7 @@ def test_the_start_up_check_passes():
 def test_a_bf16_model_gets_the_kernel_by_default():
     model = tiny_model("qwen3")
     model.set_dtype(mx.bfloat16)
-    assert install_fused_residuals(model)
+    assert install_fused_trunk(model)
     assert model.model._add_norm is add_rms_norm
 
 

@@ -1,11 +1,14 @@
-"""A decode step's residual adds, each in one launch with the RMSNorm that follows it.
+"""A decode step's trunk with fewer launches: each residual add in one launch with the
+RMSNorm that follows it, and at one sequence each MLP's SwiGLU inside its down projection.
 
 Why: a decode step is host-bound (MLX spends ~10 us of host time on every op it
 evaluates). mlx-lm's decoder layer adds the attention's output to the residual stream,
 normalizes the sum for the MLP, adds the MLP's output and leaves the sum to the next
 layer, which normalizes it first: two adds and two norms per layer. On CUDA
 ``kernels.add_rms_norm`` does an add and the norm after it in one launch with the same
-bits, so a Qwen3-4B step makes 72 launches fewer (two per layer) and gives the same tokens.
+bits, so a Qwen3-4B step makes 72 launches fewer (two per layer) and gives the same
+tokens. Where a step has one sequence, ``kernels.swiglu_down`` runs the MLP's SwiGLU and
+its down projection (MLX's gemv there) in one launch with the same bits: 36 fewer.
 
 How: the trunk (``model.model``) of the families whose decoder layer is exactly
 "x + attention(input norm(x)), then h + mlp(post-attention norm(h))" and whose trunk
@@ -26,6 +29,7 @@ import mlx.nn as nn
 
 from kiviq.engine.fused_projections import FUSABLE_FAMILIES
 from kiviq.engine.kivi_cache import KiviLayerCache, model_dtype
+from kiviq.kernels import swiglu_down as swiglu_down_kernel
 from kiviq.kernels.add_rms_norm import add_rms_norm, check, supported
 
 log = logging.getLogger("kiviq.engine")
@@ -63,24 +67,58 @@ def _fused_class(stock: type) -> type:
             if (inputs.ndim != 2 or inputs.shape[1] != 1 or input_embeddings is not None
                     or not isinstance(first, KiviLayerCache) or first.store.use_kernel is False):
                 return stock.__call__(self, inputs, cache, input_embeddings)
-            return fused_forward(self, inputs, cache, self._add_norm)
+            return fused_forward(self, inputs, cache, self._add_norm, self._swiglu_down)
 
-        cls = _CLASSES[stock] = type(f"FusedResiduals{stock.__name__}", (stock,), {"__call__": __call__})
+        cls = _CLASSES[stock] = type(f"FusedTrunk{stock.__name__}", (stock,), {"__call__": __call__})
     return cls
 
 
-def fused_forward(trunk: nn.Module, inputs: mx.array, cache: list, add_norm: Callable) -> mx.array:
+def fused_forward(trunk: nn.Module, inputs: mx.array, cache: list, add_norm: Callable,
+                  swiglu_down: Callable | None = None) -> mx.array:
     """The stock trunk's result for one token per sequence (no mask: one query row
-    attends to all its keys), each residual add fused with the norm after it."""
+    attends to all its keys), each residual add fused with the norm after it; with
+    ``swiglu_down(gate_up, down_weight)`` and one sequence, each MLP's SwiGLU and down
+    projection in one call (the layers' MLPs must have passed `_mlp_fusable`)."""
     layers = trunk.layers
+    one_row = swiglu_down is not None and inputs.shape[0] == 1
     h = trunk.embed_tokens(inputs)
     x = layers[0].input_layernorm(h)
     for i, (layer, c) in enumerate(zip(layers, cache)):
         post = layer.post_attention_layernorm
         h, x = add_norm(h, layer.self_attn(x, None, c), post.weight, post.eps)
+        mlp = layer.mlp
+        y = swiglu_down(mlp.gate_up_proj(x), mlp.down_proj.weight) if one_row else mlp(x)
         after = layers[i + 1].input_layernorm if i + 1 < len(layers) else trunk.norm
-        h, x = add_norm(h, layer.mlp(x), after.weight, after.eps)
+        h, x = add_norm(h, y, after.weight, after.eps)
     return x
+
+
+def _mlp_fusable(layer: nn.Module) -> bool:
+    """Whether ``layer``'s MLP is mlx-lm's ``down(swiglu(gate, up))`` with gate and up
+    fused into one matmul (engine.fused_projections) and no biases."""
+    mlp = layer.get("mlp")
+    if not isinstance(mlp, nn.Module) or type(mlp).__name__ != "MLP":
+        return False
+    if not type(mlp).__module__.startswith("mlx_lm.models."):
+        return False
+    parts = (mlp.get("gate_up_proj"), mlp.get("down_proj"))
+    return all(type(p) is nn.Linear and "bias" not in p for p in parts)
+
+
+def _mlp_kernel(trunk: nn.Module, dtype: mx.Dtype) -> Callable | None:
+    """``kernels.swiglu_down`` where it runs for every layer's MLP and passes its start-up
+    check against the stock ops at each of their shapes, else None (the stock MLP)."""
+    if not all(_mlp_fusable(layer) for layer in trunk.layers):
+        return None
+    shapes = {tuple(layer.mlp.down_proj.weight.shape) for layer in trunk.layers}
+    if not all(swiglu_down_kernel.supported(hidden, dtype) for _, hidden in shapes):
+        return None
+    reason = next((r for r in (swiglu_down_kernel.check(hidden, out_size, dtype) for out_size, hidden in shapes)
+                   if r is not None), None)
+    if reason is not None:
+        log.warning("SwiGLU kept apart from the down projection, using the stock ops: %s", reason)
+        return None
+    return swiglu_down_kernel.swiglu_down
 
 
 def _norm_eps(trunk: nn.Module) -> list[float]:
@@ -89,13 +127,17 @@ def _norm_eps(trunk: nn.Module) -> list[float]:
     return list(dict.fromkeys(n.eps for n in norms + [trunk.norm]))
 
 
-def install_fused_residuals(model: nn.Module, add_norm: Callable | None = None) -> bool:
+def install_fused_trunk(model: nn.Module, add_norm: Callable | None = None,
+                        swiglu_down: Callable | None = None) -> bool:
     """Give ``model``'s trunk the fused decode path. ``add_norm(x, r, weight, eps)`` ->
     (x + r, its RMSNorm): default ``kernels.add_rms_norm`` (CUDA only; a test passes
     ``add_rms_norm_reference`` to check the path on any backend). Returns whether the
     trunk has the path: not where the kernel cannot run (no CUDA, hidden size, dtype),
     fails its start-up check against the stock ops (``add_rms_norm.check``: a warning
-    is logged), or the family or its layers are not the known ones. Safe to run again."""
+    is logged), or the family or its layers are not the known ones. Safe to run again.
+    ``swiglu_down(gate_up, down_weight)``, for steps of one sequence: default
+    ``kernels.swiglu_down`` where it runs and passes its own check, else the stock MLP
+    (run ``fuse_projections`` first: it works on the fused gate/up projection)."""
     trunk = getattr(model, "model", None)
     if getattr(model, "model_type", None) not in FUSABLE_FAMILIES or not isinstance(trunk, nn.Module):
         return False
@@ -112,7 +154,12 @@ def install_fused_residuals(model: nn.Module, add_norm: Callable | None = None) 
             log.warning("fused residual adds disabled, using the stock ops: %s", reason)
             return False
         add_norm = add_rms_norm
+    if swiglu_down is None:
+        swiglu_down = _mlp_kernel(trunk, model_dtype(model))
+    elif not all(_mlp_fusable(layer) for layer in trunk.layers):
+        swiglu_down = None
     if type(trunk) not in _CLASSES.values():
         trunk.__class__ = _fused_class(type(trunk))
-    trunk._add_norm = add_norm  # a plain attribute: a function is no parameter
+    trunk._add_norm = add_norm  # plain attributes: a function is no parameter
+    trunk._swiglu_down = swiglu_down
     return True
