@@ -27,7 +27,6 @@ MAX_ROWS_PER_BLOCK = 32  # warps (output rows) per thread block: 1,024 threads
 MAX_SHARED_BYTES = 48 * 1024  # a kernel's static shared memory: the SwiGLU of one row
 
 
-
 @functools.cache
 def _kernel(rows: int):
     """The kernel for blocks of ``rows`` warps, compiled to fit one such block per SM
@@ -51,8 +50,8 @@ def rows_per_block(out_size: int, sms: int) -> int:
 
 
 def loads_ahead(rows: int) -> int:
-    """W's chunks (NPT values) a lane keeps loading ahead of its sums: as many as the
-    registers of a block of ``rows`` warps allow without spilling."""
+    """W's chunks (NPT values) a lane keeps loading ahead of its sums: 16, or 8 where a
+    block has more than 20 warps (at 1,024 threads a thread has 64 registers)."""
     return 8 if rows > 20 else 16
 
 
@@ -107,4 +106,5 @@ def check(hidden: int, out_size: int, dtype: mx.Dtype) -> str | None:
     return None
 
 
-__all__ = ["check", "loads_ahead", "rows_per_block", "supported", "swiglu_down", "swiglu_down_reference", "values_per_lane"]
+__all__ = ["check", "loads_ahead", "rows_per_block", "supported", "swiglu_down", "swiglu_down_reference",
+           "values_per_lane"]

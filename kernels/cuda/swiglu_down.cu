@@ -8,8 +8,8 @@
 // Grid: blocks of ROWS warps, one output row per warp, about one block per SM (the grid is
 // one wave: no SM gets a second block to finish after the others). Each lane first issues
 // its loads of W's first AHEAD chunks, then the block makes v in shared memory (every block
-// makes all of it, 8 values a thread at a time, each group of up to 4 passes' loads issued
-// together: a pass per load's latency was most of the kernel's time) while they are in
+// makes all of it, 8 values a thread at a time, two passes' loads issued together: a
+// pass per load's latency was most of the kernel's time) while they are in
 // flight; the row's loop keeps AHEAD chunks loading ahead of the ones it adds.
 // Bit-exact with MLX, so tokens do not change: v is rounded as the compiled SwiGLU rounds
 // it (MLX's own Sigmoid and Multiply functors on T, from its JIT headers: x * sigmoid(x),
